@@ -1,0 +1,85 @@
+"""Backend dispatch: one explicit table picks a backend per (device class, scheme).
+
+A backend is a module with `available(device, scheme, act_kind, n, k, batch_invariant) -> str | None`
+(None, or the reason it cannot run) and `linear(x, w_q, w_scale, bias, scheme, act_kind,
+batch_invariant) -> y`. Nothing falls back silently: the choice is stored on the layer and reported.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+from ..config import Scheme
+
+# Backend name -> module (imported on first use, so missing optional packages only matter when chosen).
+MODULES: dict[str, str] = {
+    "reference": "fp8now.kernels.reference",
+    "torch": "fp8now.kernels.torch_mm",
+}
+
+# (device class, scheme) -> candidates, best first. Device classes: "cuda-fp8" (compute capability
+# >= 8.9, FP8 tensor cores), "cuda" (older GPUs), "cpu".
+TABLE: dict[tuple[str, Scheme], tuple[str, ...]] = {
+    ("cuda-fp8", Scheme.TENSOR): ("torch", "reference"),
+    ("cuda-fp8", Scheme.CHANNEL): ("torch", "reference"),
+    ("cuda-fp8", Scheme.BLOCK): ("torch", "reference"),
+    ("cuda", Scheme.TENSOR): ("reference",),
+    ("cuda", Scheme.CHANNEL): ("reference",),
+    ("cuda", Scheme.BLOCK): ("reference",),
+    # CPU: the exact reference beats CPU _scaled_mm (~0.37x of a bf16 matmul) and is batch-invariant.
+    ("cpu", Scheme.TENSOR): ("reference", "torch"),
+    ("cpu", Scheme.CHANNEL): ("reference", "torch"),
+    ("cpu", Scheme.BLOCK): ("reference",),
+}
+
+
+def device_class(device: torch.device) -> str:
+    """"cuda-fp8", "cuda" or "cpu" (other device types are treated like CPU: reference only)."""
+    if device.type == "cuda":
+        return "cuda-fp8" if torch.cuda.get_device_capability(device) >= (8, 9) else "cuda"
+    return "cpu"
+
+
+def backend_module(name: str) -> ModuleType:
+    """The module implementing backend `name`."""
+    if name not in MODULES:
+        raise ValueError(f"unknown backend {name!r}; known: {', '.join(MODULES)}")
+    return importlib.import_module(MODULES[name])
+
+
+def _reason(name: str, device, scheme, act_kind, n, k, batch_invariant) -> str | None:
+    try:
+        module = backend_module(name)
+    except ImportError as e:
+        return f"cannot import ({e})"
+    return module.available(device, scheme, act_kind, n, k, batch_invariant)
+
+
+def pick_backend(device: torch.device | str, scheme: Scheme, act_kind: str, n: int, k: int,
+                 forced: str = "auto", batch_invariant: bool = False) -> str:
+    """Name of the backend for a layer `[N, K]` on `device`; raises listing every rejected candidate."""
+    device = torch.device(device)
+    scheme = Scheme.parse(scheme)
+    dclass = device_class(device)
+    candidates = TABLE[(dclass, scheme)] if forced == "auto" else (forced,)
+    reasons = []
+    for name in candidates:
+        why = _reason(name, device, scheme, act_kind, n, k, batch_invariant)
+        if why is None:
+            return name
+        reasons.append(f"{name}: {why}")
+    what = f"scheme {scheme.value!r} (activation {act_kind}) on {device} ({dclass}) for N={n}, K={k}"
+    if batch_invariant:
+        what += " with batch_invariant=True"
+    raise RuntimeError(f"no FP8 backend fits {what}; rejected: " + "; ".join(reasons)
+                       + ". Choose another backend= or scheme, or ignore this layer.")
+
+
+def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+               scheme: Scheme, act_kind: str, backend: str, batch_invariant: bool = False
+               ) -> torch.Tensor:
+    """y [M, N] from x [M, K] through the named backend (quantizing x dynamically)."""
+    return backend_module(backend).linear(x, w_q, w_scale, bias, scheme, act_kind, batch_invariant)

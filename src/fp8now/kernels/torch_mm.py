@@ -1,0 +1,94 @@
+"""The `torch` backend: `torch._scaled_mm` tensorwise / rowwise, and blockwise `F.scaled_mm` where offered."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from ..config import Scheme
+from ..numerics import quantize_activation
+
+
+@functools.cache
+def _cpu_scaled_mm_ok() -> bool:
+    """Does this torch run `_scaled_mm` (rowwise, float32 out) on CPU tensors?"""
+    try:
+        a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+        torch._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.float32)
+        return True
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+
+
+def _has_blockwise() -> bool:
+    scaling = getattr(F, "ScalingType", None)
+    return hasattr(F, "scaled_mm") and scaling is not None and hasattr(scaling, "BlockWise128x128")
+
+
+def available(device: torch.device, scheme: Scheme, act_kind: str, n: int, k: int,
+              batch_invariant: bool = False) -> str | None:
+    """None if this backend can run the layer, else why not."""
+    if batch_invariant:
+        return "cuBLAS picks its kernel (and split) by batch size, so results are not batch-invariant"
+    if n % 16 or k % 16:
+        return f"_scaled_mm needs N and K divisible by 16 (N={n}, K={k})"
+    if device.type == "cpu":
+        if scheme is Scheme.BLOCK:
+            return "blockwise scaled_mm is not offered on CPU"
+        return None if _cpu_scaled_mm_ok() else f"torch {torch.__version__} has no CPU _scaled_mm"
+    if device.type != "cuda":
+        return f"no FP8 GEMM for device type {device.type!r}"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        return f"FP8 tensor cores need compute capability >= 8.9, this GPU has {cap[0]}.{cap[1]}"
+    if scheme is Scheme.BLOCK:
+        if not _has_blockwise():
+            return f"torch {torch.__version__} has no blockwise F.scaled_mm"
+        if cap[0] != 9:
+            return "blockwise scaled_mm (1x128 x 128x128) runs on sm_90 only"
+        if k % 128:
+            return f"blockwise scaled_mm needs K divisible by 128 (K={k})"
+    return None
+
+
+def _rowwise(x_q, x_scale, w_q, w_scale, bias, out_dtype, device_type):
+    """Row- or tensor-wise `_scaled_mm`; returns float32 on CPU (exact there), bf16/x dtype on GPU."""
+    tensorwise = x_scale.dim() == 0 and w_scale.dim() == 0
+    if not tensorwise:
+        x_scale = x_scale.reshape(-1, 1).expand(x_q.shape[0], 1).contiguous()
+        w_scale = w_scale.reshape(1, -1).expand(1, w_q.shape[0]).contiguous()
+    if device_type == "cpu":
+        mm_dtype = torch.float32
+    else:  # cuBLAS rowwise writes bf16 only
+        mm_dtype = out_dtype if tensorwise else torch.bfloat16
+    fuse_bias = bias is not None and bias.dtype == mm_dtype
+    y = torch._scaled_mm(x_q, w_q.t(), x_scale, w_scale, bias=bias if fuse_bias else None,
+                         out_dtype=mm_dtype)
+    if bias is not None and not fuse_bias:
+        y = y.float() + bias.float()
+    return y.to(out_dtype)
+
+
+def _blockwise(x_q, x_scale, w_q, w_scale, bias, out_dtype):
+    """F.scaled_mm with 1x128 activation groups and 128x128 weight tiles (sm_90)."""
+    m = x_q.shape[0]
+    if m == 1:  # the stride check rejects a single row: run it twice
+        x_q, x_scale = x_q.expand(2, -1).contiguous(), x_scale.expand(2, -1)
+    x_scale_cm = x_scale.t().contiguous().t()                 # [M, K/128], strides (1, M)
+    y = F.scaled_mm(x_q, w_q.t(), x_scale_cm, F.ScalingType.BlockWise1x128,
+                    w_scale.t(), F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+    y = y[:m]
+    if bias is not None:
+        y = (y.float() + bias.float())
+    return y.to(out_dtype)
+
+
+def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+           scheme: Scheme, act_kind: str, batch_invariant: bool = False) -> torch.Tensor:
+    """y [M, N] = quantize(x [M, K]) @ W.T + bias in x.dtype."""
+    x_q, x_scale = quantize_activation(x, act_kind)
+    if scheme is Scheme.BLOCK:
+        return _blockwise(x_q, x_scale, w_q, w_scale, bias, x.dtype)
+    return _rowwise(x_q, x_scale, w_q, w_scale, bias, x.dtype, x.device.type)

@@ -1,0 +1,148 @@
+"""Fp8Linear: an nn.Linear whose weight is stored in FP8 and whose input is quantized on every call."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import Fp8Config, Scheme
+from .kernels import backend_module, pick_backend
+from .numerics import E4M3FN, quantize_weight
+
+_QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.int8,
+                     torch.uint8, torch.int32, torch.int16)
+
+
+def weight_scale_shape(scheme: Scheme, n: int, k: int) -> tuple[int, ...]:
+    """Scale shape of an `[N, K]` weight (SPEC §3)."""
+    match scheme:
+        case Scheme.TENSOR:
+            return ()
+        case Scheme.CHANNEL:
+            return (n, 1)
+        case Scheme.BLOCK:
+            return (math.ceil(n / 128), math.ceil(k / 128))
+    raise ValueError(scheme)
+
+
+def check_float_weight(w: torch.Tensor, name: str, shape: tuple[int, ...]) -> None:
+    """A weight to quantize must be bf16/fp16/fp32 of the expected shape; say what to do otherwise."""
+    if w.dtype in _QUANTIZED_DTYPES:
+        raise ValueError(
+            f"{name or 'weight'} is already quantized ({w.dtype}); fp8now quantizes bf16/fp16/fp32 "
+            "checkpoints while loading. Loading a pre-quantized checkpoint is a different path: "
+            "use the original bf16 checkpoint here")
+    if not w.is_floating_point():
+        raise ValueError(f"{name or 'weight'} has dtype {w.dtype}; expected bf16, fp16 or fp32")
+    if tuple(w.shape) != tuple(shape):
+        raise ValueError(f"{name or 'weight'} has shape {tuple(w.shape)}, expected {tuple(shape)}")
+
+
+class Fp8Linear(nn.Module):
+    """`y = x @ W.T + b` with `W` in FP8 (`weight` [N, K], `weight_scale` float32), `x` quantized per call.
+
+    Build one from an `nn.Linear` with `Fp8Linear.from_linear(linear, config)`, or empty (e.g. on the
+    meta device) with `Fp8Linear(in_features, out_features, bias, config, device="meta")` and fill it
+    later with `load_(w, b)`. The backend is chosen when the weight arrives, from the table in
+    `fp8now.kernels`, and shown by `repr`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 config: Fp8Config | None = None, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.bfloat16, name: str = "") -> None:
+        super().__init__()
+        config = config or Fp8Config()
+        self.in_features, self.out_features = in_features, out_features
+        self.scheme: Scheme = config.scheme
+        self.act_kind: str = config.act_kind(config.scheme)
+        self.forced_backend: str = config.backend
+        self.batch_invariant: bool = config.batch_invariant
+        self.name = name
+        self.backend: str | None = None
+        self._impl = None
+        shape = weight_scale_shape(self.scheme, out_features, in_features)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=E4M3FN.dtype,
+                                               device=device), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(shape, dtype=torch.float32, device=device),
+                                         requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
+                                  requires_grad=False) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: Fp8Config | None = None, name: str = ""
+                    ) -> Fp8Linear:
+        """Quantize an existing `nn.Linear` (its weight's device becomes the layer's device)."""
+        w = linear.weight.detach()
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, config,
+                    device="meta", dtype=w.dtype, name=name)
+        layer.load_(w, None if linear.bias is None else linear.bias.detach())
+        return layer
+
+    @property
+    def is_loaded(self) -> bool:
+        return self.backend is not None
+
+    def load_(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Quantize a float weight `[N, K]` into this layer, in place when storage exists.
+
+        On the meta device, storage is created on `w.device`; otherwise `w` is moved to the layer's
+        device and the results are copied into the existing tensors (same objects, same data_ptr).
+        """
+        check_float_weight(w, self.name, (self.out_features, self.in_features))
+        device = w.device if self.weight.is_meta else self.weight.device
+        w = w.to(device)
+        q, s = quantize_weight(w, self.scheme, name=self.name or None)
+        if self.weight.is_meta:
+            self.weight = nn.Parameter(q, requires_grad=False)
+            self.weight_scale = nn.Parameter(s.reshape(self.weight_scale.shape), requires_grad=False)
+        else:
+            self.weight.data.copy_(q)
+            self.weight_scale.data.copy_(s.reshape(self.weight_scale.shape))
+        if self.bias is not None:
+            if bias is None:
+                raise ValueError(f"{self.name or 'layer'} expects a bias of shape ({self.out_features},)")
+            check_float_weight(bias, f"{self.name}.bias", (self.out_features,))
+            if self.bias.is_meta:
+                self.bias = nn.Parameter(bias.to(device=device, dtype=self.bias.dtype).clone(),
+                                         requires_grad=False)
+            else:
+                self.bias.data.copy_(bias)
+        if self.backend is None or self._impl is None:
+            self.pick_backend()
+
+    def pick_backend(self) -> str:
+        """(Re)choose the backend for the layer's current device; call again after moving it."""
+        self.backend = pick_backend(self.weight.device, self.scheme, self.act_kind, self.out_features,
+                                    self.in_features, self.forced_backend, self.batch_invariant)
+        self._impl = backend_module(self.backend)
+        return self.backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._impl is None:
+            raise RuntimeError(f"Fp8Linear {self.name or ''} has no weight yet: call load_(w) first")
+        y = self._impl.linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale,
+                              self.bias, self.scheme, self.act_kind, self.batch_invariant)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype)` / `.half()` must not touch the FP8 weight or its float32 scale: move them only."""
+        keep = {id(self.weight), id(self.weight_scale)}
+
+        def guarded(t: torch.Tensor) -> torch.Tensor:
+            if id(t) in keep:
+                return t.to(fn(t.reshape(-1)[:0]).device)
+            return fn(t)
+
+        before = self.weight.device
+        out = super()._apply(guarded, recurse)
+        if self._impl is not None and self.weight.device != before:
+            self.pick_backend()
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, scheme={self.scheme.value}, act={self.act_kind}, "
+                f"backend={self.backend or 'unloaded'}"
+                + (", batch_invariant=True" if self.batch_invariant else ""))
