@@ -202,7 +202,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, group: tuple[int, int]) -> 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """Scale-free distance `1 - 2<a,b> / (|a|² + |b|²)` in float64 (0 = equal; NaN propagates)."""
-    a, b = a.double().flatten(), b.double().flatten()
+    a, b = a.detach().double().flatten(), b.detach().double().flatten()
     denom = (a * a).sum() + (b * b).sum()
     if float(denom) == 0.0:
         return 0.0
@@ -211,7 +211,7 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def sqnr(ref: torch.Tensor, test: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB: 10·log10(|ref|² / |ref - test|²)."""
-    ref, test = ref.double(), test.double()
+    ref, test = ref.detach().double(), test.detach().double()
     noise = float(((ref - test) ** 2).sum())
     signal = float((ref ** 2).sum())
     if noise == 0.0:

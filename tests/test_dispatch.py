@@ -1,0 +1,49 @@
+"""The dispatch table: choices, forced backends, and errors that list every rejected candidate."""
+
+import pytest
+import torch
+
+from fp8now import Fp8Config, Fp8Linear, Scheme
+from fp8now.kernels import TABLE, device_class, pick_backend
+
+
+def test_cpu_defaults_to_reference():
+    assert device_class(torch.device("cpu")) == "cpu"
+    for scheme in Scheme:
+        assert pick_backend("cpu", scheme, Fp8Config(scheme=scheme).act_kind(), 256, 256) == "reference"
+
+
+def test_table_covers_every_device_class_and_scheme():
+    for dclass in ("cpu", "cuda", "cuda-fp8"):
+        for scheme in Scheme:
+            assert TABLE[(dclass, scheme)], (dclass, scheme)
+    # channel must never be given to a weight-only kernel (SPEC §9)
+    assert all("w8a16" not in name for (d, s), names in TABLE.items() if s is Scheme.CHANNEL
+               for name in names)
+
+
+def test_forced_backend_error_lists_reason():
+    with pytest.raises(RuntimeError, match=r"scheme 'block'.*torch: blockwise scaled_mm is not offered"):
+        pick_backend("cpu", Scheme.BLOCK, "group", 256, 256, forced="torch")
+
+
+def test_batch_invariant_rejects_cublas():
+    with pytest.raises(RuntimeError, match=r"batch_invariant=True.*torch: cuBLAS"):
+        pick_backend("cpu", Scheme.CHANNEL, "token", 256, 256, forced="torch", batch_invariant=True)
+    assert pick_backend("cpu", Scheme.CHANNEL, "token", 256, 256, batch_invariant=True) == "reference"
+
+
+def test_torch_needs_dims_divisible_by_16():
+    with pytest.raises(RuntimeError, match=r"divisible by 16 \(N=100, K=256\)"):
+        pick_backend("cpu", Scheme.CHANNEL, "token", 100, 256, forced="torch")
+
+
+def test_unknown_backend_name():
+    with pytest.raises(ValueError, match=r"unknown backend 'cutlass'; known: reference, torch"):
+        pick_backend("cpu", Scheme.CHANNEL, "token", 256, 256, forced="cutlass")
+
+
+def test_layer_picks_on_load():
+    lin = torch.nn.Linear(64, 48).to(torch.bfloat16)
+    layer = Fp8Linear.from_linear(lin, Fp8Config(scheme="tensor", backend="torch"))
+    assert layer.backend == "torch"
