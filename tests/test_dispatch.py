@@ -39,7 +39,7 @@ def test_torch_needs_dims_divisible_by_16():
 
 
 def test_unknown_backend_name():
-    with pytest.raises(ValueError, match=r"unknown backend 'cutlass'; known: reference, torch"):
+    with pytest.raises(ValueError, match=r"unknown backend 'cutlass'; known: reference, torch, triton, triton-w8a16"):
         pick_backend("cpu", Scheme.CHANNEL, "token", 256, 256, forced="cutlass")
 
 

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from .config import Fp8Config, Scheme
-from .kernels import backend_module, pick_backend
-from .numerics import E4M3FN, quantize_weight
+from .kernels import backend_module, pick_backend, quantize_weight
+from .numerics import E4M3FN
 
 _QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.int8,
                      torch.uint8, torch.int32, torch.int16)

@@ -110,11 +110,16 @@ def _quantize_2d(x: torch.Tensor, group: tuple[int, int], rule: str, fmt: Fp8For
     return q.contiguous(), scale
 
 
+def nonfinite_error(shape: tuple[int, ...], name: str | None) -> ValueError:
+    """The error for a weight holding NaN or Inf, naming its layer and shape."""
+    where = f" of layer {name!r}" if name else ""
+    return ValueError(f"weight{where} with shape {tuple(shape)} contains NaN or Inf; "
+                      "fix or re-export the checkpoint (FP8 cannot represent these values)")
+
+
 def _check_finite(chunk: torch.Tensor, shape: torch.Size, name: str | None) -> None:
     if not bool(torch.isfinite(chunk).all()):
-        where = f" of layer {name!r}" if name else ""
-        raise ValueError(f"weight{where} with shape {tuple(shape)} contains NaN or Inf; "
-                         "fix or re-export the checkpoint (FP8 cannot represent these values)")
+        raise nonfinite_error(tuple(shape), name)
 
 
 def _row_chunk(rows: int, cols: int, align: int, chunk_bytes: int) -> int:

@@ -12,23 +12,27 @@ from types import ModuleType
 
 import torch
 
+from .. import numerics
 from ..config import Scheme
 
 # Backend name -> module (imported on first use, so missing optional packages only matter when chosen).
 MODULES: dict[str, str] = {
     "reference": "fp8now.kernels.reference",
     "torch": "fp8now.kernels.torch_mm",
+    "triton": "fp8now.kernels.triton_fp8",
+    "triton-w8a16": "fp8now.kernels.triton_w8a16",
 }
 
 # (device class, scheme) -> candidates, best first. Device classes: "cuda-fp8" (compute capability
 # >= 8.9, FP8 tensor cores), "cuda" (older GPUs), "cpu".
 TABLE: dict[tuple[str, Scheme], tuple[str, ...]] = {
-    ("cuda-fp8", Scheme.TENSOR): ("torch", "reference"),
-    ("cuda-fp8", Scheme.CHANNEL): ("torch", "reference"),
-    ("cuda-fp8", Scheme.BLOCK): ("torch", "reference"),
-    ("cuda", Scheme.TENSOR): ("reference",),
+    ("cuda-fp8", Scheme.TENSOR): ("triton", "torch", "reference"),
+    ("cuda-fp8", Scheme.CHANNEL): ("triton", "torch", "reference"),
+    ("cuda-fp8", Scheme.BLOCK): ("triton", "torch", "reference"),
+    # No FP8 tensor cores: weight-only FP8; channel refuses it (it would drop activation quantization).
+    ("cuda", Scheme.TENSOR): ("triton-w8a16", "reference"),
     ("cuda", Scheme.CHANNEL): ("reference",),
-    ("cuda", Scheme.BLOCK): ("reference",),
+    ("cuda", Scheme.BLOCK): ("triton-w8a16", "reference"),
     # CPU: the exact reference beats CPU _scaled_mm (~0.37x of a bf16 matmul) and is batch-invariant.
     ("cpu", Scheme.TENSOR): ("reference", "torch"),
     ("cpu", Scheme.CHANNEL): ("reference", "torch"),
@@ -83,3 +87,19 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
                ) -> torch.Tensor:
     """y [M, N] from x [M, K] through the named backend (quantizing x dynamically)."""
     return backend_module(backend).linear(x, w_q, w_scale, bias, scheme, act_kind, batch_invariant)
+
+
+def quantize_weight(w: torch.Tensor, scheme: Scheme, name: str | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight quantization at load: the Triton kernel on FP8-capable GPUs (memory speed, same bytes
+    as `numerics.quantize_weight`), the chunked torch implementation elsewhere."""
+    if w.device.type == "cuda" and device_class(w.device) == "cuda-fp8":
+        try:
+            from . import triton_quant
+        except ImportError:
+            triton_quant = None
+        if triton_quant is not None and triton_quant.available(w.device) is None:
+            if not bool(triton_quant.weight_all_finite(w)):  # one sync per layer, at load only
+                raise numerics.nonfinite_error(tuple(w.shape), name)
+            return triton_quant.quantize_weight(w, scheme.value)
+    return numerics.quantize_weight(w, scheme, name=name)

@@ -53,15 +53,16 @@ def available(device: torch.device, scheme: Scheme, act_kind: str, n: int, k: in
     return None
 
 
-def _rowwise(x_q, x_scale, w_q, w_scale, bias, out_dtype, device_type):
-    """Row- or tensor-wise `_scaled_mm`; returns float32 on CPU (exact there), bf16/x dtype on GPU."""
+def rowwise_mm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """`_scaled_mm` of x_q [M, K] and w_q [N, K]: scales both 0-d (tensorwise) or [M, 1] and [1, N].
+
+    On CPU the product is taken in float32 (exact there); cuBLAS rowwise writes bf16 only.
+    """
     tensorwise = x_scale.dim() == 0 and w_scale.dim() == 0
-    if not tensorwise:
-        x_scale = x_scale.reshape(-1, 1).expand(x_q.shape[0], 1).contiguous()
-        w_scale = w_scale.reshape(1, -1).expand(1, w_q.shape[0]).contiguous()
-    if device_type == "cpu":
+    if x_q.device.type == "cpu":
         mm_dtype = torch.float32
-    else:  # cuBLAS rowwise writes bf16 only
+    else:
         mm_dtype = out_dtype if tensorwise else torch.bfloat16
     fuse_bias = bias is not None and bias.dtype == mm_dtype
     y = torch._scaled_mm(x_q, w_q.t(), x_scale, w_scale, bias=bias if fuse_bias else None,
@@ -71,17 +72,19 @@ def _rowwise(x_q, x_scale, w_q, w_scale, bias, out_dtype, device_type):
     return y.to(out_dtype)
 
 
-def _blockwise(x_q, x_scale, w_q, w_scale, bias, out_dtype):
-    """F.scaled_mm with 1x128 activation groups and 128x128 weight tiles (sm_90)."""
+def blockwise_mm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                 bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """F.scaled_mm with 1x128 activation groups x_scale [M, K/128] and 128x128 weight tiles (sm_90)."""
     m = x_q.shape[0]
     if m == 1:  # the stride check rejects a single row: run it twice
         x_q, x_scale = x_q.expand(2, -1).contiguous(), x_scale.expand(2, -1)
-    x_scale_cm = x_scale.t().contiguous().t()                 # [M, K/128], strides (1, M)
-    y = F.scaled_mm(x_q, w_q.t(), x_scale_cm, F.ScalingType.BlockWise1x128,
+    if x_scale.stride(0) != 1 or m == 1:
+        x_scale = x_scale.t().contiguous().t()                # [M, K/128], strides (1, M)
+    y = F.scaled_mm(x_q, w_q.t(), x_scale, F.ScalingType.BlockWise1x128,
                     w_scale.t(), F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
     y = y[:m]
     if bias is not None:
-        y = (y.float() + bias.float())
+        y = y.float() + bias.float()
     return y.to(out_dtype)
 
 
@@ -90,5 +93,8 @@ def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torc
     """y [M, N] = quantize(x [M, K]) @ W.T + bias in x.dtype."""
     x_q, x_scale = quantize_activation(x, act_kind)
     if scheme is Scheme.BLOCK:
-        return _blockwise(x_q, x_scale, w_q, w_scale, bias, x.dtype)
-    return _rowwise(x_q, x_scale, w_q, w_scale, bias, x.dtype, x.device.type)
+        return blockwise_mm(x_q, x_scale, w_q, w_scale, bias, x.dtype)
+    if x_scale.dim() or w_scale.dim():  # rowwise: both as row/column vectors
+        x_scale = x_scale.reshape(-1, 1).expand(x_q.shape[0], 1).contiguous()
+        w_scale = w_scale.reshape(1, -1).expand(1, w_q.shape[0]).contiguous()
+    return rowwise_mm(x_q, x_scale, w_q, w_scale, bias, x.dtype)

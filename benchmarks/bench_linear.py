@@ -1,0 +1,146 @@
+"""Time one linear layer per call: bf16, bare FP8 `_scaled_mm`, fp8now's schemes (activation
+quantization included) and torchao's float8 dynamic configs, eager and compiled, in one run.
+
+CUDA only. `PYTHONPATH=src python benchmarks/bench_linear.py --out benchmarks/results/linear_h200_DATE.json`
+Times are the median of `triton.testing.do_bench` (which flushes L2 before every call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+
+M_VALUES = [1, 16, 64, 256, 1024, 4096, 16384]
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192), (57344, 8192),
+          (8192, 28672)]
+
+
+def varied(rows: int, cols: int, seed: int, device: str) -> torch.Tensor:
+    """bf16 data with row- and tile-varying magnitudes (as real weights and activations have)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g, device=device, dtype=torch.bfloat16)
+    r = 2.0 ** torch.randint(-3, 4, (rows, 1), generator=g, device=device).to(torch.bfloat16)
+    t = 2.0 ** torch.randint(-3, 4, (1, math.ceil(cols / 128)), generator=g, device=device)
+    t = t.to(torch.bfloat16).repeat_interleave(128, dim=1)[:, :cols]
+    return x * r * t * 0.02
+
+
+def bench(fn, warmup_ms: int, rep_ms: int) -> float:
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def torchao_layers(lin: torch.nn.Linear) -> dict[str, torch.nn.Module]:
+    """The peer: torchao float8 dynamic activation + weight, per tensor / per row / 1x128-128x128."""
+    import copy
+
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, quantize_
+    from torchao.quantization.granularity import PerBlock, PerRow, PerTensor
+    grans = {"torchao-tensor": PerTensor(), "torchao-row": PerRow(),
+             "torchao-block": [PerBlock([1, 128]), PerBlock([128, 128])]}
+    out = {}
+    for name, gran in grans.items():
+        m = torch.nn.Sequential(copy.deepcopy(lin))
+        quantize_(m, Float8DynamicActivationFloat8WeightConfig(granularity=gran))
+        out[name] = m
+    return out
+
+
+def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=10, rep_ms=40,
+        with_torchao=True, with_compiled=True) -> list[dict]:
+    from fp8now import Fp8Config, Fp8Linear, Scheme
+    from fp8now.numerics import quantize_activation, quantize_weight
+    dev = "cuda"
+    rows: list[dict] = []
+    notes: list[str] = []
+
+    def add(m, n, k, impl, ms, **extra):
+        rows.append(dict(M=m, N=n, K=k, impl=impl, ms=ms, **extra))
+
+    for n, k in shapes:
+        t0 = time.time()
+        lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(varied(n, k, seed=n * 7 + k, device=dev))
+        layers = {f"fp8now-{s.value}": Fp8Linear.from_linear(lin, Fp8Config(scheme=s)) for s in Scheme}
+        layers.update({f"fp8now-{s.value}@torch": Fp8Linear.from_linear(
+            lin, Fp8Config(scheme=s, backend="torch")) for s in Scheme})
+        backends = {name: layer.backend for name, layer in layers.items()}
+        peers: dict[str, torch.nn.Module] = {}
+        if with_torchao:
+            try:
+                peers = torchao_layers(lin)
+            except Exception as e:  # record why; the table then lacks these rows
+                notes.append(f"torchao unavailable for {n}x{k}: {type(e).__name__}: {e}")
+        compiled = {}
+        if with_compiled:
+            for name, mod in peers.items():
+                compiled[name + "-compiled"] = torch.compile(mod, dynamic=False)
+        w_q, w_s = quantize_weight(lin.weight, "channel")
+        w_qt, w_st = quantize_weight(lin.weight, "tensor")
+        for m in m_values:
+            x = varied(m, k, seed=m + k, device=dev)
+            add(m, n, k, "bf16", bench(lambda: torch.nn.functional.linear(x, lin.weight), warmup_ms, rep_ms))
+            x_q, x_s = quantize_activation(x, "token")
+            add(m, n, k, "scaled_mm", bench(lambda: torch._scaled_mm(
+                x_q, w_q.t(), x_s, w_s.reshape(1, -1), out_dtype=torch.bfloat16), warmup_ms, rep_ms))
+            x_qt, x_st = quantize_activation(x, "tensor")
+            add(m, n, k, "scaled_mm-tensorwise", bench(lambda: torch._scaled_mm(
+                x_qt, w_qt.t(), x_st, w_st, out_dtype=torch.bfloat16), warmup_ms, rep_ms))
+            for name, layer in layers.items():
+                try:
+                    add(m, n, k, name, bench(lambda: layer(x), warmup_ms, rep_ms), backend=backends[name])
+                except Exception as e:
+                    notes.append(f"{name} M={m} {n}x{k}: {type(e).__name__}: {str(e)[:200]}")
+            for name, mod in list(peers.items()) + list(compiled.items()):
+                try:
+                    with torch.no_grad():
+                        mod(x)
+                        add(m, n, k, name, bench(lambda: mod(x), warmup_ms, rep_ms))
+                except Exception as e:
+                    notes.append(f"{name} M={m} {n}x{k}: {type(e).__name__}: {str(e)[:200]}")
+        del layers, peers, compiled
+        torch.cuda.empty_cache()
+        print(f"  {n}x{k} done in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+    notes.append("transformers FineGrainedFP8 (5.17) needs the `kernels` hub package and fails offline; "
+                 "not timed")
+    with open(out_path, "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(out_path.replace(".json", "_notes.txt"), "w") as f:
+        f.write("\n".join(notes) + "\n")
+    return rows
+
+
+def summary(rows: list[dict]) -> str:
+    """Speed-up over bf16 per (shape, M) for the main impls."""
+    impls = ["scaled_mm", "fp8now-tensor", "fp8now-channel", "fp8now-block", "torchao-row",
+             "torchao-row-compiled", "torchao-block-compiled"]
+    base = {(r["M"], r["N"], r["K"]): r["ms"] for r in rows if r["impl"] == "bf16"}
+    table = {}
+    for r in rows:
+        table[(r["M"], r["N"], r["K"], r["impl"])] = r["ms"]
+    lines = [f"{'M':>6} {'N':>6} {'K':>6} {'bf16 ms':>8} " + " ".join(f"{i[:14]:>14}" for i in impls)]
+    for (m, n, k), b in sorted(base.items(), key=lambda t: (t[0][1], t[0][2], t[0][0])):
+        cells = [f"{b / table[(m, n, k, i)]:14.2f}" if (m, n, k, i) in table else f"{'-':>14}" for i in impls]
+        lines.append(f"{m:>6} {n:>6} {k:>6} {b:8.4f} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="linear_h200.json")
+    ap.add_argument("--quick", action="store_true", help="two shapes, four M values")
+    ap.add_argument("--no-torchao", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_linear.py needs a CUDA GPU")
+    kw = {}
+    if args.quick:
+        kw = dict(m_values=[1, 16, 1024, 16384], shapes=[(4096, 4096), (28672, 4096)])
+    result = run(args.out, with_torchao=not args.no_torchao, **kw)
+    print(summary(result))

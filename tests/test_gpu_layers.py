@@ -1,0 +1,118 @@
+"""GPU checks of every backend (run on the H200): the layer output against the exact float64
+product of its own FP8 operands, GPU bytes equal to CPU bytes, batch invariance, torch.compile
+(fullgraph) and CUDA graph capture. Skipped on machines without CUDA, where test_linear covers the
+CPU backends and test_triton_* run the kernels under the interpreter."""
+
+import pytest
+import torch
+
+from fp8now import Fp8Config, Fp8Linear, Scheme, rel_diff
+from fp8now.config import ACT_GROUP, WEIGHT_GROUP
+from fp8now.kernels import quantize_weight as load_quantize
+from fp8now.numerics import quantize_activation, quantize_weight
+from fp8_oracle import exact_product, varied
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                   reason="needs a CUDA GPU (run through the device tool)")]
+SHAPES = [(4096, 4096), (14336, 4096), (576, 7168), (256, 384)]
+
+
+def layer_for(n, k, scheme, backend, bias=True, batch_invariant=False, dtype=torch.bfloat16):
+    lin = torch.nn.Linear(k, n, bias=bias, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        lin.weight.copy_(varied((n, k), torch.float32, seed=n + k, spread=4).cuda() * 0.02)
+        if bias:
+            lin.bias.copy_(torch.randn(n, device="cuda"))
+    cfg = Fp8Config(scheme=scheme, backend=backend, batch_invariant=batch_invariant)
+    return lin, Fp8Linear.from_linear(lin, cfg)
+
+
+def check_exact(layer, lin, x):
+    y = layer(x)
+    xq, xs = quantize_activation(x, layer.act_kind)
+    ref = exact_product(xq, xs, layer.weight, layer.weight_scale,  # float64 on the GPU: exact
+                        ACT_GROUP[layer.act_kind], WEIGHT_GROUP[layer.scheme])
+    if lin.bias is not None:
+        ref = ref + lin.bias.double()
+    assert torch.isfinite(y).all()
+    d = rel_diff(y, ref)
+    assert d < 1e-4, (layer, d)
+    return y
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("scheme", list(Scheme))
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 300])
+def test_backend_vs_exact(backend, scheme, n, k, m):
+    lin, layer = layer_for(n, k, scheme, backend)
+    assert layer.backend == backend
+    x = varied((m, k), torch.float32, seed=m * k, spread=3).cuda().to(torch.bfloat16)
+    check_exact(layer, lin, x)
+
+
+@pytest.mark.parametrize("scheme", list(Scheme))
+def test_fp16_activations(scheme):
+    lin, layer = layer_for(512, 1024, scheme, "triton", dtype=torch.float16)
+    for m in (3, 100):
+        y = check_exact(layer, lin, varied((m, 1024), torch.float16, seed=m).cuda())
+        assert y.dtype == torch.float16
+
+
+@pytest.mark.parametrize("scheme", list(Scheme))
+@pytest.mark.parametrize("n,k", [(4096, 4096), (576, 7168), (300, 200)])
+def test_weight_bytes_gpu_equal_cpu(scheme, n, k):
+    w = varied((n, k), torch.bfloat16, seed=n * 3 + k, spread=5)
+    q_cpu, s_cpu = quantize_weight(w, scheme)
+    q_gpu, s_gpu = load_quantize(w.cuda(), scheme)     # the Triton load-time kernel on the H200
+    assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
+    assert torch.equal(s_gpu.cpu(), s_cpu)
+
+
+@pytest.mark.parametrize("scheme", [Scheme.TENSOR, Scheme.BLOCK])
+def test_w8a16_forced(scheme):
+    lin, layer = layer_for(1024, 2048, scheme, "triton-w8a16")
+    x = varied((33, 2048), torch.bfloat16, seed=4).cuda()
+    from fp8now.numerics import dequantize
+    w = dequantize(layer.weight, layer.weight_scale, WEIGHT_GROUP[scheme]).double()
+    ref = x.double() @ w.T + lin.bias.double()
+    assert rel_diff(layer(x), ref) < 1e-4
+
+
+def test_w8a16_refused_for_channel():
+    with pytest.raises(RuntimeError, match="channel scheme quantizes activations per token"):
+        layer_for(256, 256, Scheme.CHANNEL, "triton-w8a16")
+
+
+@pytest.mark.parametrize("scheme", list(Scheme))
+def test_batch_invariant(scheme):
+    lin, layer = layer_for(1024, 2048, scheme, "auto", batch_invariant=True)
+    assert layer.backend == "triton"
+    fixed = varied((4, 2048), torch.bfloat16, seed=1).cuda()
+    want = layer(fixed)
+    for m in (1, 3, 64, 257, 1024):
+        filler = varied((max(m, 4), 2048), torch.bfloat16, seed=m).cuda()
+        batch = torch.cat([fixed, filler])[:m] if m >= 4 else fixed[:m]
+        got = layer(batch)
+        rows = min(m, 4)
+        assert torch.equal(got[:rows], want[:rows]), (scheme, m)
+
+
+@pytest.mark.parametrize("scheme", list(Scheme))
+def test_compile_fullgraph_and_cuda_graph(scheme):
+    lin, layer = layer_for(1024, 2048, scheme, "auto")
+    for m in (4, 512):
+        x = varied((m, 2048), torch.bfloat16, seed=m).cuda()
+        eager = layer(x)
+        compiled = torch.compile(layer, fullgraph=True)
+        assert torch.equal(compiled(x), eager)
+        static_x = x.clone()
+        layer(static_x)  # warm up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = layer(static_x)
+        new_x = varied((m, 2048), torch.bfloat16, seed=m + 1).cuda()
+        static_x.copy_(new_x)
+        graph.replay()
+        assert torch.equal(static_y, layer(new_x))
