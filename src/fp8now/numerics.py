@@ -55,19 +55,27 @@ WEIGHT_RULE = {Scheme.TENSOR: "tensor", Scheme.CHANNEL: "row", Scheme.BLOCK: "bl
 ACT_RULE = {"token": "row", "tensor": "tensor", "group": "group"}
 
 
+def _true_div(a: torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
+    """IEEE float32 division. On CUDA, torch turns `tensor / python_float` into a multiply by the
+    rounded reciprocal, so the divisor is made a tensor to get the same bits on every device."""
+    if not isinstance(b, torch.Tensor):
+        b = torch.full_like(a, b)
+    return a / b
+
+
 def scale_from_amax(amax: torch.Tensor, rule: str, fmt: Fp8Format = E4M3FN) -> torch.Tensor:
     """Float32 dequantization scale from a float32 amax, by one of the four rules above."""
     amax = amax.float()
     match rule:
         case "tensor":
-            s = amax / fmt.fmax
+            s = _true_div(amax, fmt.fmax)
             return torch.where(amax == 0, torch.full_like(s, fmt.min_scale), s)
         case "row":
-            return (amax / fmt.fmax).clamp_min(fmt.min_scale)
+            return _true_div(amax, fmt.fmax).clamp_min(fmt.min_scale)
         case "block":
-            return amax.clamp_min(BLOCK_AMAX_FLOOR) / fmt.fmax
+            return _true_div(amax.clamp_min(BLOCK_AMAX_FLOOR), fmt.fmax)
         case "group":
-            return amax.clamp_min(GROUP_AMAX_FLOOR) / fmt.fmax
+            return _true_div(amax.clamp_min(GROUP_AMAX_FLOOR), fmt.fmax)
     raise ValueError(f"unknown scale rule {rule!r}")
 
 
@@ -102,9 +110,9 @@ def _quantize_2d(x: torch.Tensor, group: tuple[int, int], rule: str, fmt: Fp8For
         scale = scale_from_amax(tiles.abs().amax(dim=(1, 3)), rule, fmt)
     s = scale.reshape(tiles.shape[0], 1, tiles.shape[2], 1)
     if rule in ("tensor", "block"):
-        y = tiles * (1.0 / s)
+        y = tiles * _true_div(torch.ones_like(s), s)
     else:
-        y = tiles / s
+        y = _true_div(tiles, s)
     q = y.clamp_(-fmt.fmax, fmt.fmax).to(fmt.dtype)
     q = q.view(tiles.shape[0] * gr, tiles.shape[2] * gc)[:rows, :cols]
     return q.contiguous(), scale

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One device call that checks and times everything on the H200. Usage (through the device tool):
+#   bash benchmarks/gpu_session.sh PHASES   with PHASES a comma list of: tests,core,quant,linear,quick,memory
+# Results land in $OUT (JSON + logs); the short tables print last.
+set -uo pipefail
+export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+phases=${1:-tests,core,quant,linear}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+python3 - <<'PY'
+import torch, triton, transformers
+print("gpu", torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__,
+      "transformers", transformers.__version__)
+PY
+git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /'
+rc=0
+has() { [[ ",$phases," == *",$1,"* ]]; }
+if has tests; then
+  timeout 420 python3 -m pytest -q -x -p no:cacheprovider -m "gpu or triton" tests/test_gpu_layers.py \
+    tests/test_triton_quant.py tests/test_triton_gemm.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40 || rc=1
+fi
+if has memory; then
+  timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu -s tests/test_gpu_memory.py 2>&1 \
+    | tee "$OUT/pytest_memory.log" | tail -30 || rc=1
+fi
+if has core; then
+  timeout 300 python3 benchmarks/check_core_gpu.py --out "$OUT/core_check.json" > "$OUT/core_check.log" 2>&1 || rc=1
+  tail -70 "$OUT/core_check.log"
+fi
+if has quant; then
+  timeout 200 python3 benchmarks/bench_quant.py --out "$OUT/quant_h200.json" 2>&1 | tee "$OUT/bench_quant.log" | tail -30
+fi
+if has quick; then
+  timeout 300 python3 benchmarks/bench_linear.py --quick --out "$OUT/linear_quick.json" 2>&1 | tail -30
+fi
+if has linear; then
+  timeout 560 python3 benchmarks/bench_linear.py --out "$OUT/linear_h200.json" 2>&1 | tail -60
+fi
+exit $rc

@@ -1,0 +1,407 @@
+"""Triton FP8 quantizers for activations (every forward call) and weights (at load time).
+
+Each produces the bytes and scales of `fp8now.numerics` (SPEC §4) exactly: the true divisions
+of the spec use IEEE round-to-nearest division (`tl.math.div_rn`; plain `/` in Triton is
+approximate), the reciprocal rules compute `div_rn(1, s)` and multiply, and every value is clamped
+to ±FMAX before the round-to-nearest-even FP8 cast. Maxima propagate NaN like torch's `amax`.
+
+Every wrapper only checks its arguments, allocates its outputs and launches kernels: no host
+synchronization, no `.item()`, no environment lookups, so the wrappers can be captured in CUDA
+graphs. On a CPU, the kernels run only under Triton's interpreter (TRITON_INTERPRET=1 set before
+this module is imported); see `available`.
+
+Public functions:
+    quantize_act_token(x)            -> q [M, K], s [M, 1]          rule "row"
+    quantize_act_group(x, col_major) -> q [M, K], s [M, ceil(K/128)] rule "group" (1x128)
+    quantize_act_tensor(x)           -> q [M, K], s []              rule "tensor"
+    quantize_weight(w, scheme)       -> as `numerics.quantize_weight` ([N, K] or [E, N, K])
+    weight_all_finite(w)             -> bool tensor [] (no sync; the caller syncs once at load)
+    available(device)                -> None, or why these kernels cannot run on `device`
+"""
+
+import torch
+
+from ..config import Scheme
+from ..numerics import BLOCK_AMAX_FLOOR, E4M3FN, GROUP_AMAX_FLOOR, Fp8Format
+
+try:
+    import triton
+    import triton.language as tl
+
+    _IMPORT_ERROR: str | None = None
+except ImportError as _e:  # the module stays importable so that `available` can say why
+    _IMPORT_ERROR = f"triton is not importable ({_e})"
+
+    class _NoTriton:
+        """Just enough of `triton` / `triton.language` for the kernel definitions to parse."""
+
+        constexpr = object
+
+        @staticmethod
+        def jit(fn=None, **_kwargs):
+            return fn if fn is not None else (lambda f: f)
+
+    triton = tl = _NoTriton()  # type: ignore[assignment]
+
+GROUP = 128         # activation group width and weight block edge (SPEC §3)
+_ROW_MAX_SINGLE = 16384  # per-token: rows up to this many elements are held in registers whole
+_ROW_CHUNK = 4096   # per-token: longer rows are read twice in chunks of this many (2nd read from L2)
+
+
+def _pow2(n: int) -> int:
+    """Smallest power of two >= n (>= 1)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _warps(elements: int) -> int:
+    """Warps for a tile: about 16 elements (32 bytes of bf16) per thread, 1..16 warps."""
+    return max(1, min(16, elements // 512))
+
+
+def _require(x: torch.Tensor, ndim: tuple[int, ...], what: str) -> None:
+    if _IMPORT_ERROR is not None:
+        raise RuntimeError(f"{what}: {_IMPORT_ERROR}")
+    if x.dim() not in ndim:
+        raise ValueError(f"{what} expects a tensor with {' or '.join(map(str, ndim))} dims, "
+                         f"got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"{what} expects bfloat16, float16 or float32 input, got {x.dtype}")
+
+
+def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
+    """[..., K] -> [M, K] with unit column stride (a view when possible, as numerics does)."""
+    _require(x, (1, 2, 3, 4, 5, 6, 7, 8), what)
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 or x2.shape[-1] <= 1 else x2.contiguous()
+
+
+@triton.jit
+def _abs_bits(x):
+    # |x| as int32 bit patterns. Non-negative floats order like their bits, and NaN sits above inf,
+    # so an integer max of these is the float amax with NaN propagated, like torch.amax
+    # (a float tl.max would drop NaN on the GPU).
+    return x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _as_f32(bits):
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_fp8(y, q_ptr, FMAX: tl.constexpr):
+    # clamp to ±FMAX (NaN stays NaN), then the round-to-nearest-even cast
+    y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+    return y.to(q_ptr.dtype.element_ty)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per token ("row" rule): s = max(amax / FMAX, 1 / (FMAX * 512)), q = fp8(clamp(x / s)).
+# Also the weight "channel" scheme. One program owns BLOCK_M whole rows.
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm,
+                      FMAX: tl.constexpr, FLOOR: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rows64[:, None] * stride_xm
+    q_rows = q_ptr + rows64[:, None] * stride_qm
+    if SINGLE:  # the whole row fits in one tile: read it once
+        mask = row_ok[:, None] & (cols[None, :] < K)
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = _as_f32(tl.max(_abs_bits(x), axis=1))
+        s = tl.maximum(tl.math.div_rn(amax, FMAX), FLOOR, propagate_nan=tl.PropagateNan.ALL)
+        y = tl.math.div_rn(x, s[:, None])
+        tl.store(q_rows + cols[None, :], _to_fp8(y, q_ptr, FMAX), mask=mask)
+    else:  # long rows: amax pass, then a quantize pass that reads the row again (from L2)
+        acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            mask = row_ok[:, None] & (cols[None, :] + k0 < K)
+            x = tl.load(x_rows + k0 + cols[None, :], mask=mask, other=0.0,
+                        eviction_policy="evict_last")
+            acc = tl.maximum(acc, _abs_bits(x))
+        amax = _as_f32(tl.max(acc, axis=1))
+        s = tl.maximum(tl.math.div_rn(amax, FMAX), FLOOR, propagate_nan=tl.PropagateNan.ALL)
+        for k0 in range(0, K, BLOCK_K):
+            mask = row_ok[:, None] & (cols[None, :] + k0 < K)
+            x = tl.load(x_rows + k0 + cols[None, :], mask=mask, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+            y = tl.math.div_rn(x, s[:, None])
+            tl.store(q_rows + k0 + cols[None, :], _to_fp8(y, q_ptr, FMAX), mask=mask)
+    tl.store(s_ptr + rows64, s, mask=row_ok)
+
+
+def _launch_row(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8Format) -> None:
+    """Per-row quantization of x2 [M, K] into q [M, K] (row stride free) and s [M] (contiguous)."""
+    M, K = x2.shape
+    if M == 0:
+        return
+    if K <= _ROW_MAX_SINGLE:
+        block_k, single = max(_pow2(K), 16), True
+    else:
+        block_k, single = _ROW_CHUNK, False
+    block_m = max(1, min(2048 // block_k, _pow2(M), 64))
+    _row_quant_kernel[(triton.cdiv(M, block_m),)](
+        x2, q, s, M, K, x2.stride(0), q.stride(0),
+        FMAX=fmt.fmax, FLOOR=fmt.min_scale, BLOCK_M=block_m, BLOCK_K=block_k, SINGLE=single,
+        num_warps=_warps(block_m * block_k))
+
+
+def quantize_act_token(x: torch.Tensor, fmt: Fp8Format = E4M3FN) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token FP8: `x [..., K]` -> `(q [M, K] fp8, s [M, 1] float32)`, rule "row" (SPEC §4)."""
+    x2 = _rows(x, "quantize_act_token")
+    M, K = x2.shape
+    q = torch.empty((M, K), dtype=fmt.dtype, device=x2.device)
+    s = torch.empty((M, 1), dtype=torch.float32, device=x2.device)
+    _launch_row(x2, q, s, fmt)
+    return q, s
+
+
+# ---------------------------------------------------------------------------------------------
+# Per 1x128 group ("group" rule): s = max(amax, 1e-10) / FMAX, q = fp8(clamp(x / s)).
+# A program owns a [BLOCK_M, GROUPS, 128] block; the last group of a row is zero-padded (masked).
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg,
+                        FMAX: tl.constexpr, FLOOR: tl.constexpr,
+                        BLOCK_M: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    cols = groups[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]          # [G, 128]
+    mask = row_ok[:, None, None] & (cols < K)[None, :, :]                      # [BM, G, 128]
+    x = tl.load(x_ptr + rows64[:, None, None] * stride_xm + cols[None, :, :],
+                mask=mask, other=0.0).to(tl.float32)
+    amax = _as_f32(tl.max(_abs_bits(x), axis=2))                               # [BM, G]
+    s = tl.math.div_rn(tl.maximum(amax, FLOOR, propagate_nan=tl.PropagateNan.ALL), FMAX)
+    y = tl.math.div_rn(x, s[:, :, None])
+    tl.store(q_ptr + rows64[:, None, None] * stride_qm + cols[None, :, :],
+             _to_fp8(y, q_ptr, FMAX), mask=mask)
+    n_groups = (K + GROUP_K - 1) // GROUP_K
+    tl.store(s_ptr + rows64[:, None] * stride_sm + groups[None, :] * stride_sg, s,
+             mask=row_ok[:, None] & (groups < n_groups)[None, :])
+
+
+def quantize_act_group(x: torch.Tensor, col_major: bool = False, fmt: Fp8Format = E4M3FN
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-1x128-group FP8: `x [..., K]` -> `(q [M, K], s [M, ceil(K/128)])`, rule "group".
+
+    `col_major=True` returns the same scale values with strides (1, M) (storage [ceil(K/128), M],
+    transposed), the layout torch's blockwise `_scaled_mm` expects.
+    """
+    x2 = _rows(x, "quantize_act_group")
+    M, K = x2.shape
+    n_groups = triton.cdiv(K, GROUP)
+    q = torch.empty((M, K), dtype=fmt.dtype, device=x2.device)
+    if col_major:
+        s = torch.empty((n_groups, M), dtype=torch.float32, device=x2.device).t()
+    else:
+        s = torch.empty((M, n_groups), dtype=torch.float32, device=x2.device)
+    if M == 0 or K == 0:
+        return q, s
+    groups = max(1, min(_pow2(K), 1024) // GROUP)
+    block_m = max(1, min(4096 // (groups * GROUP), _pow2(M), 32))
+    grid = (triton.cdiv(M, block_m), triton.cdiv(n_groups, groups))
+    _group_quant_kernel[grid](
+        x2, q, s, M, K, x2.stride(0), q.stride(0), s.stride(0), s.stride(1),
+        FMAX=fmt.fmax, FLOOR=GROUP_AMAX_FLOOR, BLOCK_M=block_m, GROUPS=groups, GROUP_K=GROUP,
+        num_warps=_warps(block_m * groups * GROUP))
+    return q, s
+
+
+# ---------------------------------------------------------------------------------------------
+# Per tensor ("tensor" rule): s = amax / FMAX (amax == 0 -> 1 / (FMAX * 512)), q = fp8(x * (1/s)).
+# Pass 1: each program folds the amax of its rows x K-span into an int32 scratch with atomic_max
+# (amax >= 0 or +NaN, whose bit patterns order like integers, NaN above inf). Pass 2 quantizes.
+# Also the weight "tensor" scheme.
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _amax_kernel(x_ptr, amax_ptr, M, K, stride_xm,
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = tl.program_id(1) * (BLOCK_K * K_ITERS) + tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.int32)
+    for i in range(K_ITERS):
+        c = cols + i * BLOCK_K
+        x = tl.load(x_rows + c[None, :], mask=row_ok[:, None] & (c < K)[None, :], other=0.0)
+        acc = tl.maximum(acc, _abs_bits(x))
+    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
+
+
+def _launch_amax(x2: torch.Tensor, amax_bits: torch.Tensor) -> None:
+    """Fold max |x2| (as int32 bits, NaN above inf) into the int32 scalar `amax_bits` (atomic_max)."""
+    M, K = x2.shape
+    if M == 0 or K == 0:
+        return
+    # ~64K elements per program: one atomic per 128 KiB of bf16
+    bk = min(_pow2(K), 1024)
+    bm = min(_pow2(M), max(1, 8192 // bk))
+    k_iters = max(1, min(triton.cdiv(K, bk), 65536 // (bm * bk)))
+    _amax_kernel[(triton.cdiv(M, bm), triton.cdiv(K, bk * k_iters))](
+        x2, amax_bits, M, K, x2.stride(0),
+        BLOCK_M=bm, BLOCK_K=bk, K_ITERS=k_iters, num_warps=_warps(bm * bk))
+
+
+@triton.jit
+def _tensor_quant_kernel(x_ptr, q_ptr, amax_ptr, s_ptr, M, K, stride_xm, stride_qm,
+                         FMAX: tl.constexpr, FLOOR: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    amax = _as_f32(tl.load(amax_ptr))
+    s = tl.where(amax == 0.0, FLOOR, tl.math.div_rn(amax, FMAX))
+    inv = tl.math.div_rn(1.0, s)
+    tl.store(s_ptr, s, mask=(pid_m == 0) & (pid_k == 0))
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    rows64 = rows.to(tl.int64)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    y = x.to(tl.float32) * inv
+    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], _to_fp8(y, q_ptr, FMAX), mask=mask)
+
+
+def _launch_tensor(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, amax_bits: torch.Tensor,
+                   fmt: Fp8Format) -> None:
+    """Per-tensor quantization of x2 [M, K] into q and the 0-d `s`; `amax_bits` is a zeroed int32."""
+    M, K = x2.shape
+    if M == 0 or K == 0:
+        s.fill_(fmt.min_scale)  # amax of nothing is 0: the zero guard applies
+        return
+    _launch_amax(x2, amax_bits)
+    bk = min(_pow2(K), 2048)  # 8K-element tiles
+    bm = min(_pow2(M), max(1, 8192 // bk))
+    _tensor_quant_kernel[(triton.cdiv(M, bm), triton.cdiv(K, bk))](
+        x2, q, amax_bits, s, M, K, x2.stride(0), q.stride(0),
+        FMAX=fmt.fmax, FLOOR=fmt.min_scale, BLOCK_M=bm, BLOCK_K=bk, num_warps=_warps(bm * bk))
+
+
+def quantize_act_tensor(x: torch.Tensor, fmt: Fp8Format = E4M3FN) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor FP8: `x [..., K]` -> `(q [M, K], s [] float32)`, rule "tensor" (SPEC §4)."""
+    x2 = _rows(x, "quantize_act_tensor")
+    M, K = x2.shape
+    q = torch.empty((M, K), dtype=fmt.dtype, device=x2.device)
+    s = torch.empty((), dtype=torch.float32, device=x2.device)
+    amax_bits = torch.zeros((), dtype=torch.int32, device=x2.device)
+    _launch_tensor(x2, q, s, amax_bits, fmt)
+    return q, s
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight blocks ("block" rule): per 128x128 tile a = max(amax, 1e-4), s = a / FMAX,
+# q = fp8(clamp(w * (1/s))). One program per tile; edge tiles are masked (padding is zero).
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _block_quant_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_qn, stride_sn,
+                        FMAX: tl.constexpr, FLOOR: tl.constexpr, BLOCK: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK + tl.arange(0, BLOCK)
+    cols = pid_k * BLOCK + tl.arange(0, BLOCK)
+    rows64 = rows.to(tl.int64)
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
+    w = tl.load(w_ptr + rows64[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
+    w = w.to(tl.float32)
+    amax = _as_f32(tl.max(tl.max(_abs_bits(w), axis=1), axis=0))
+    s = tl.math.div_rn(tl.maximum(amax, FLOOR, propagate_nan=tl.PropagateNan.ALL), FMAX)
+    inv = tl.math.div_rn(1.0, s)
+    tl.store(q_ptr + rows64[:, None] * stride_qn + cols[None, :], _to_fp8(w * inv, q_ptr, FMAX),
+             mask=mask)
+    tl.store(s_ptr + pid_n * stride_sn + pid_k, s)
+
+
+def _launch_block(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8Format) -> None:
+    N, K = w.shape
+    if N == 0 or K == 0:
+        return
+    _block_quant_kernel[(triton.cdiv(N, GROUP), triton.cdiv(K, GROUP))](
+        w, q, s, N, K, w.stride(0), q.stride(0), s.stride(0),
+        FMAX=fmt.fmax, FLOOR=BLOCK_AMAX_FLOOR, BLOCK=GROUP, num_warps=8)
+
+
+def quantize_weight(w: torch.Tensor, scheme: Scheme | str, fmt: Fp8Format = E4M3FN
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a weight `[N, K]` or stacked experts `[E, N, K]` with the bytes of
+    `numerics.quantize_weight`: scale tensor `[]` (`[E]`), channel `[N, 1]` (`[E, N, 1]`),
+    block `[ceil(N/128), ceil(K/128)]` (`[E, ...]`).
+
+    NaN/Inf are not checked here (that would need a sync): call `weight_all_finite` first.
+    """
+    scheme = Scheme.parse(scheme)
+    _require(w, (2, 3), "quantize_weight")
+    if w.stride(-1) != 1 and w.shape[-1] > 1:
+        w = w.contiguous()
+    w3 = w if w.dim() == 3 else w.unsqueeze(0)
+    E, N, K = w3.shape
+    dev = w.device
+    q = torch.empty((E, N, K), dtype=fmt.dtype, device=dev)
+    if scheme is Scheme.TENSOR:
+        s = torch.empty((E,), dtype=torch.float32, device=dev)
+        amax_bits = torch.zeros((E,), dtype=torch.int32, device=dev)
+        for e in range(E):
+            _launch_tensor(w3[e], q[e], s[e], amax_bits[e], fmt)
+    elif scheme is Scheme.CHANNEL:
+        s = torch.empty((E, N, 1), dtype=torch.float32, device=dev)
+        for e in range(E):
+            _launch_row(w3[e], q[e], s[e], fmt)
+    else:
+        s = torch.empty((E, triton.cdiv(N, GROUP), triton.cdiv(K, GROUP)), dtype=torch.float32,
+                        device=dev)
+        for e in range(E):
+            _launch_block(w3[e], q[e], s[e], fmt)
+    if w.dim() == 2:
+        return q[0], s[0]
+    return q, s
+
+
+def weight_all_finite(w: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor on w's device: True when `w` ([N, K] or [E, N, K]) holds no NaN/Inf.
+
+    One amax pass over the bits (|x| >= 0x7F800000 is inf or NaN), without a host sync; the caller
+    reads the flag (one sync) at load time.
+    """
+    _require(w, (1, 2, 3), "weight_all_finite")
+    if w.stride(-1) != 1 and w.shape[-1] > 1:
+        w = w.contiguous()
+    w3 = w.reshape(1, 1, -1) if w.dim() == 1 else (w if w.dim() == 3 else w.unsqueeze(0))
+    amax_bits = torch.zeros((), dtype=torch.int32, device=w.device)
+    for e in range(w3.shape[0]):
+        _launch_amax(w3[e], amax_bits)
+    return amax_bits < 0x7F800000
+
+
+def _is_interpreted() -> bool:
+    """Whether the kernels were built by Triton's interpreter (TRITON_INTERPRET=1 at import)."""
+    return type(_row_quant_kernel).__name__ == "InterpretedFunction"
+
+
+def available(device: torch.device | str | None = None) -> str | None:
+    """None when these kernels run on `device`; otherwise a short reason.
+
+    Runs on CUDA GPUs of compute capability >= 8.9 (hardware FP8 conversion), and on the CPU
+    only when Triton's interpreter was enabled (TRITON_INTERPRET=1) before this module was imported.
+    """
+    if _IMPORT_ERROR is not None:
+        return _IMPORT_ERROR
+    dev = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cpu":
+        return None if _is_interpreted() else "Triton runs on the CPU only with TRITON_INTERPRET=1"
+    if dev.type != "cuda":
+        return f"device type {dev.type!r} is not supported"
+    if torch.version.hip is not None:
+        return "ROCm GPUs are not supported by these kernels"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    if _is_interpreted():
+        return "TRITON_INTERPRET=1 is set: the kernels would run in the slow CPU interpreter"
+    cap = torch.cuda.get_device_capability(dev)
+    if cap < (8, 9):
+        return f"FP8 conversion needs compute capability >= 8.9, device has {cap[0]}.{cap[1]}"
+    return None
