@@ -48,8 +48,21 @@ def available(device: torch.device, scheme: Scheme, act_kind: str, n: int, k: in
             return f"torch {torch.__version__} has no blockwise F.scaled_mm"
         if cap[0] != 9:
             return "blockwise scaled_mm (1x128 x 128x128) runs on sm_90 only"
-        if k % 128:
-            return f"blockwise scaled_mm needs K divisible by 128 (K={k})"
+        return blockwise_unfit(k)
+    return None
+
+
+def blockwise_unfit(k: int) -> str | None:
+    """Shapes where cuBLAS blockwise scaling was seen to work on the H200 (torch 2.11 + cu130).
+
+    The weight-scale leading dimension K/128 must be a multiple of 4 (16-byte aligned) or cuBLAS
+    answers NOT_SUPPORTED; at K = 14336 it ran but returned wrong results (rel_diff 2.9e-3 against
+    the exact product, BENCHMARKS.md), so K is capped at the largest size that checked out.
+    """
+    if k % 512:
+        return f"blockwise scaled_mm needs K divisible by 512 (K={k})"
+    if k > 8192:
+        return f"blockwise scaled_mm gave wrong results for K > 8192 on the H200 (K={k})"
     return None
 
 
@@ -76,9 +89,11 @@ def blockwise_mm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_
                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """F.scaled_mm with 1x128 activation groups x_scale [M, K/128] and 128x128 weight tiles (sm_90)."""
     m = x_q.shape[0]
-    if m == 1:  # the stride check rejects a single row: run it twice
-        x_q, x_scale = x_q.expand(2, -1).contiguous(), x_scale.expand(2, -1)
-    if x_scale.stride(0) != 1 or m == 1:
+    if m % 4:  # the column-major scale's leading dimension must be 16-byte aligned: pad rows
+        pad = 4 - m % 4
+        x_q = torch.cat([x_q, x_q.new_zeros(pad, x_q.shape[1])])
+        x_scale = torch.cat([x_scale, x_scale.new_ones(pad, x_scale.shape[1])])
+    if x_scale.stride(0) != 1:
         x_scale = x_scale.t().contiguous().t()                # [M, K/128], strides (1, M)
     y = F.scaled_mm(x_q, w_q.t(), x_scale, F.ScalingType.BlockWise1x128,
                     w_scale.t(), F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
