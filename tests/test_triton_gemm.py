@@ -1,0 +1,343 @@
+"""Triton FP8 GEMMs against float64 references built from the same quantized operands.
+
+Without a CUDA device the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before triton is
+imported), so shapes stay tiny. With a GPU the same tests run there.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from fp8now import numerics as nu  # noqa: E402
+from fp8now.kernels import triton_gemm as tg  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = [
+    pytest.mark.triton,
+    pytest.mark.skipif(tg.available(DEV) is not None, reason=f"Triton FP8 kernels: {tg.available(DEV)}"),
+]
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+TOKEN, GROUP = (1, -1), (1, 128)
+W_GROUP = {"tensor": (-1, -1), "channel": (1, -1), "block": (128, 128)}
+SMALL = dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=2, num_warps=4, num_stages=2)   # many tiles, swizzled
+WIDE = dict(BLOCK_M=16, BLOCK_N=256, GROUP_M=1, num_warps=4, num_stages=2)   # N tile over 2 scale rows
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _varied(rows: int, cols: int, row_group: int, g: torch.Generator) -> torch.Tensor:
+    """Gaussian data whose magnitude changes by powers of two per row and per (row_group x 128) tile.
+
+    A transposed or mis-indexed scale then lands on data of another magnitude and shows up at once.
+    """
+    base = torch.randn(rows, cols, generator=g) * 0.25
+    row_f = 2.0 ** torch.randint(-3, 4, (rows, 1), generator=g)
+    tiles = 2.0 ** torch.randint(-2, 3, (-(-rows // row_group), -(-cols // 128)), generator=g)
+    tile_f = tiles.repeat_interleave(row_group, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+    return base * row_f * tile_f
+
+
+def _ref(x_q, x_s, x_group, w_q, w_s, w_group, bias=None) -> torch.Tensor:
+    """float64 product of the dequantized operands (+ bias)."""
+    y = nu.dequantize(x_q, x_s, x_group).double() @ nu.dequantize(w_q, w_s, w_group).double().T
+    return y if bias is None else y + bias.double()
+
+
+def _check(y: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4) -> None:
+    """Global and per-row rel_diff below `tol`, no NaN (a row of small magnitude cannot hide)."""
+    assert y.shape == ref.shape
+    assert not torch.isnan(y).any()
+    d = nu.rel_diff(y.cpu(), ref.cpu())
+    assert d < tol, d
+    worst = max(nu.rel_diff(y[m].cpu(), ref[m].cpu()) for m in range(y.shape[0]))
+    assert worst < tol, worst
+
+
+def _block_operands(m, n, k, seed, bias):
+    g = _gen(seed)
+    x = _varied(m, k, 1, g)
+    w = _varied(n, k, 128, g)
+    b = torch.randn(n, generator=g) if bias else None
+    x_q, x_s = nu.quantize_activation(x, "group")
+    w_q, w_s = nu.quantize_weight(w, "block")
+    ref = _ref(x_q, x_s, GROUP, w_q, w_s, W_GROUP["block"], b)
+    to = lambda t: None if t is None else t.to(DEV)  # noqa: E731
+    return to(x_q), to(x_s), to(w_q), to(w_s), to(b), ref
+
+
+def test_varied_data_exposes_misindexed_scales():
+    """Control: the test data makes a mis-indexed scale a large error (pure torch, no kernel)."""
+    x_q, x_s, w_q, w_s, _, ref = _block_operands(33, 200, 320, 0, False)
+    x_q, x_s, w_q, w_s = x_q.cpu(), x_s.cpu(), w_q.cpu(), w_s.cpu()
+    wrong_rows = _ref(x_q, x_s.roll(1, 0), GROUP, w_q, w_s, W_GROUP["block"])
+    wrong_tiles = _ref(x_q, x_s, GROUP, w_q, w_s.roll(1, 1), W_GROUP["block"])
+    assert nu.rel_diff(wrong_rows, ref) > 1e-2
+    assert nu.rel_diff(wrong_tiles, ref) > 1e-2
+
+
+# ---------------------------------------------------------------------------------------------------
+# block_gemm
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("m,n,k,bias,dtype,config", [
+    (1, 64, 128, False, BF16, None),
+    (3, 200, 320, True, FP16, None),
+    (33, 200, 256, True, BF16, None),
+    (33, 64, 320, False, FP16, None),
+    (33, 200, 320, True, BF16, SMALL),
+    (3, 200, 320, False, FP32, WIDE),
+])
+def test_block_gemm(m, n, k, bias, dtype, config):
+    x_q, x_s, w_q, w_s, b, ref = _block_operands(m, n, k, 1 + m + n + k, bias)
+    y = tg.block_gemm(x_q, x_s, w_q, w_s, b, out_dtype=dtype, config=config)
+    assert y.dtype == dtype
+    _check(y, ref)
+
+
+def test_block_gemm_column_major_scales():
+    x_q, x_s, w_q, w_s, b, ref = _block_operands(33, 200, 320, 7, True)
+    x_s_cm = torch.empty((x_s.shape[1], x_s.shape[0]), dtype=torch.float32, device=DEV).t()
+    x_s_cm.copy_(x_s)
+    assert x_s_cm.stride() == (1, x_s.shape[0])
+    y_rm = tg.block_gemm(x_q, x_s, w_q, w_s, b, config=SMALL)
+    y_cm = tg.block_gemm(x_q, x_s_cm, w_q, w_s, b, config=SMALL)
+    assert torch.equal(y_rm, y_cm)
+    _check(y_cm, ref)
+
+
+def test_block_gemm_rejects_bad_inputs():
+    x_q, x_s, w_q, w_s, _, _ = _block_operands(3, 64, 256, 3, False)
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        tg.block_gemm(x_q, x_s, w_q, w_s, config=dict(BLOCK_K=64))
+    with pytest.raises(ValueError, match="x_s"):
+        tg.block_gemm(x_q, x_s[:, :1], w_q, w_s)
+    with pytest.raises(ValueError, match="unknown config"):
+        tg.block_gemm(x_q, x_s, w_q, w_s, config=dict(BLOCK=64))
+    with pytest.raises(TypeError):
+        tg.block_gemm(x_q.float(), x_s, w_q, w_s)
+
+
+# ---------------------------------------------------------------------------------------------------
+# rowwise_gemm
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("m,n,k,act,wscheme,bias,dtype", [
+    (3, 200, 320, "token", "channel", True, BF16),
+    (33, 64, 256, "token", "channel", False, FP16),
+    (1, 200, 128, "token", "tensor", True, BF16),
+    (33, 200, 320, "tensor", "channel", False, BF16),
+    (3, 64, 320, "tensor", "tensor", True, FP32),
+])
+def test_rowwise_gemm(m, n, k, act, wscheme, bias, dtype):
+    g = _gen(11 + m + n + k)
+    x = _varied(m, k, 1, g)
+    w = _varied(n, k, 1, g)
+    b = torch.randn(n, generator=g) if bias else None
+    x_q, x_s = nu.quantize_activation(x, act)
+    w_q, w_s = nu.quantize_weight(w, wscheme)
+    ref = _ref(x_q, x_s, TOKEN if act == "token" else (-1, -1), w_q, w_s, W_GROUP[wscheme], b)
+    y = tg.rowwise_gemm(x_q.to(DEV), x_s.to(DEV), w_q.to(DEV), w_s.to(DEV),
+                        None if b is None else b.to(DEV), out_dtype=dtype)
+    assert y.dtype == dtype
+    _check(y, ref)
+
+
+# ---------------------------------------------------------------------------------------------------
+# batch invariance
+# ---------------------------------------------------------------------------------------------------
+
+def _embed(fixed: torch.Tensor, size: int, g: torch.Generator) -> tuple[torch.Tensor, list[int]]:
+    """A batch of `size` rows holding the first min(size, len(fixed)) fixed rows at random places."""
+    used = min(size, fixed.shape[0])
+    batch = _varied(size, fixed.shape[1], 1, g).to(fixed.dtype)
+    where = torch.randperm(size, generator=g)[:used].tolist()
+    batch[where] = fixed[:used]
+    return batch, where
+
+
+@pytest.mark.parametrize("kind", ["block", "rowwise", "fused_token", "fused_group"])
+def test_batch_invariant(kind):
+    g = _gen(5)
+    n, k = 200, 320
+    fixed = _varied(5, k, 1, g).to(BF16)
+    w = _varied(n, k, 128, g)
+    scheme = "channel" if kind in ("rowwise", "fused_token") else "block"
+    w_q, w_s = (t.to(DEV) for t in nu.quantize_weight(w, scheme))
+
+    def run(batch):
+        if kind == "fused_token":
+            return tg.fused_token_gemm(batch.to(DEV), w_q, w_s)
+        if kind == "fused_group":
+            return tg.fused_group_gemm(batch.to(DEV), w_q, w_s)
+        x_q, x_s = (t.to(DEV) for t in nu.quantize_activation(batch, "group" if kind == "block" else "token"))
+        gemm = tg.block_gemm if kind == "block" else tg.rowwise_gemm
+        return gemm(x_q, x_s, w_q, w_s, out_dtype=BF16, batch_invariant=True)
+
+    outs = {}
+    for size in (40, 17, 3, 1):
+        batch, where = _embed(fixed, size, g)
+        y = run(batch)
+        outs[size] = [y[i] for i in where]
+    for size in (17, 3, 1):
+        for j, row in enumerate(outs[size]):
+            assert torch.equal(row, outs[40][j]), (kind, size, j)
+
+
+# ---------------------------------------------------------------------------------------------------
+# fused quantize + GEMM (decode)
+# ---------------------------------------------------------------------------------------------------
+
+def _activation(m, k, dtype, g):
+    x = _varied(m, k, 1, g)
+    if m > 2:
+        x[1] = 0.0                 # all-zero row: scale floor
+        x[2, :5] = 300.0            # outliers next to tiny values in one row
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("m,n,k,scheme,bias,dtype", [
+    (1, 64, 128, "channel", False, BF16),
+    (3, 200, 320, "channel", True, BF16),
+    (33, 64, 256, "tensor", True, FP16),
+    (3, 200, 320, "tensor", False, FP16),
+])
+def test_fused_token_gemm(m, n, k, scheme, bias, dtype):
+    g = _gen(21 + m + n + k)
+    x = _activation(m, k, dtype, g)
+    w_q, w_s = nu.quantize_weight(_varied(n, k, 1, g), scheme)
+    b = torch.randn(n, generator=g) if bias else None
+    x_q, x_s = nu.quantize_activation(x, "token")
+    ref = _ref(x_q, x_s, TOKEN, w_q, w_s, W_GROUP[scheme], b)
+    w_q, w_s, x_d = w_q.to(DEV), w_s.to(DEV), x.to(DEV)
+    b = None if b is None else b.to(DEV)
+    y32 = tg.fused_token_gemm(x_d, w_q, w_s, b, scheme=scheme, out_dtype=FP32)
+    assert nu.rel_diff(y32.cpu(), ref) < 1e-6
+    assert nu.rel_diff(y32.cpu(), ref) < 1e-9    # float32 accumulation noise only: same fp8 operands
+    y = tg.fused_token_gemm(x_d, w_q, w_s, b, scheme=scheme)
+    assert y.dtype == dtype
+    y_sep = tg.rowwise_gemm(x_q.to(DEV), x_s.to(DEV), w_q, w_s, b, out_dtype=dtype)
+    assert nu.rel_diff(y.cpu(), y_sep.cpu()) < 1e-6
+    _check(y, ref)
+
+
+@pytest.mark.parametrize("m,n,k,bias,dtype", [
+    (1, 64, 128, True, BF16),
+    (3, 200, 320, False, BF16),
+    (33, 200, 256, True, FP16),
+])
+def test_fused_group_gemm(m, n, k, bias, dtype):
+    g = _gen(31 + m + n + k)
+    x = _activation(m, k, dtype, g)
+    w_q, w_s = nu.quantize_weight(_varied(n, k, 128, g), "block")
+    b = torch.randn(n, generator=g) if bias else None
+    x_q, x_s = nu.quantize_activation(x, "group")
+    ref = _ref(x_q, x_s, GROUP, w_q, w_s, W_GROUP["block"], b)
+    w_q, w_s, x_d = w_q.to(DEV), w_s.to(DEV), x.to(DEV)
+    b = None if b is None else b.to(DEV)
+    y32 = tg.fused_group_gemm(x_d, w_q, w_s, b, out_dtype=FP32)
+    assert nu.rel_diff(y32.cpu(), ref) < 1e-9
+    y = tg.fused_group_gemm(x_d, w_q, w_s, b)
+    assert y.dtype == dtype
+    y_sep = tg.block_gemm(x_q.to(DEV), x_s.to(DEV), w_q, w_s, b, out_dtype=dtype)
+    assert nu.rel_diff(y.cpu(), y_sep.cpu()) < 1e-6
+    _check(y, ref)
+
+
+@pytest.mark.parametrize("kind", ["token-channel", "token-tensor", "group"])
+def test_fused_quantization_is_bit_exact(kind):
+    """Identity weight (scale 1): y = q * s exactly, so y reveals every in-kernel fp8 byte and scale."""
+    g = _gen(41)
+    k = 320
+    x = _activation(16, k, BF16, g)
+    x[0, :64] = torch.randn(64, generator=g) * 1e-3   # small values next to large ones (subnormals)
+    eye = torch.eye(k).to(nu.E4M3FN.dtype).to(DEV)
+    if kind == "group":
+        x_q, x_s = nu.quantize_activation(x, "group")
+        y = tg.fused_group_gemm(x.to(DEV), eye, torch.ones(3, 3, device=DEV), out_dtype=FP32)
+        want = nu.dequantize(x_q, x_s, GROUP)
+    else:
+        x_q, x_s = nu.quantize_activation(x, "token")
+        if kind == "token-channel":
+            y = tg.fused_token_gemm(x.to(DEV), eye, torch.ones(k, 1, device=DEV), out_dtype=FP32)
+        else:
+            y = tg.fused_token_gemm(x.to(DEV), eye, torch.ones((), device=DEV), scheme="tensor",
+                                    out_dtype=FP32)
+        want = nu.dequantize(x_q, x_s, TOKEN)
+    assert torch.equal(y.cpu(), want)
+
+
+@pytest.mark.skipif(DEV.type == "cpu", reason="Triton's interpreter has no e4m3fn NaN (it casts NaN to "
+                    "384 and decodes 0x7F as 480); NaN propagation is checked on the GPU")
+@pytest.mark.parametrize("kind", ["token", "group"])
+def test_fused_nan_row_stays_nan(kind):
+    g = _gen(45)
+    x = _activation(3, 256, BF16, g)
+    x[1, 7] = float("nan")
+    scheme = "channel" if kind == "token" else "block"
+    w_q, w_s = (t.to(DEV) for t in nu.quantize_weight(_varied(64, 256, 128, g), scheme))
+    gemm = tg.fused_token_gemm if kind == "token" else tg.fused_group_gemm
+    y = gemm(x.to(DEV), w_q, w_s).cpu()
+    assert torch.isnan(y[1]).all()
+    assert torch.isfinite(y[[0, 2]]).all()
+
+
+def test_fused_keeps_leading_dims():
+    g = _gen(51)
+    x = _activation(4, 128, BF16, g).reshape(2, 2, 128)
+    w_q, w_s = nu.quantize_weight(_varied(64, 128, 1, g), "channel")
+    y = tg.fused_token_gemm(x.to(DEV), w_q.to(DEV), w_s.to(DEV))
+    assert y.shape == (2, 2, 64)
+    flat = tg.fused_token_gemm(x.reshape(4, 128).to(DEV), w_q.to(DEV), w_s.to(DEV))
+    assert torch.equal(y.reshape(4, 64), flat)
+
+
+# ---------------------------------------------------------------------------------------------------
+# W8A16
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("m,n,k,scheme,bias,dtype", [
+    (1, 64, 128, "tensor", True, BF16),
+    (3, 200, 320, "block", False, BF16),
+    (33, 200, 256, "block", True, FP16),
+    (33, 64, 320, "tensor", False, FP16),
+])
+def test_w8a16_gemm(m, n, k, scheme, bias, dtype):
+    g = _gen(61 + m + n + k)
+    x = _varied(m, k, 1, g).to(dtype)
+    w_q, w_s = nu.quantize_weight(_varied(n, k, 128, g), scheme)
+    b = torch.randn(n, generator=g) if bias else None
+    ref = x.double() @ nu.dequantize(w_q, w_s, W_GROUP[scheme]).double().T
+    if b is not None:
+        ref = ref + b.double()
+    y = tg.w8a16_gemm(x.to(DEV), w_q.to(DEV), w_s.to(DEV), W_GROUP[scheme],
+                      None if b is None else b.to(DEV))
+    assert y.dtype == dtype
+    _check(y, ref)
+
+
+def test_w8a16_refuses_channel():
+    w_q, w_s = nu.quantize_weight(torch.randn(64, 128), "channel")
+    x = torch.randn(2, 128).to(BF16)
+    with pytest.raises(ValueError, match="channel"):
+        tg.w8a16_gemm(x.to(DEV), w_q.to(DEV), w_s.to(DEV), (1, -1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# availability
+# ---------------------------------------------------------------------------------------------------
+
+def test_available():
+    assert tg.available(DEV) is None
+    assert tg.available_w8a16(DEV) is None
+    assert isinstance(tg.available("meta"), str)
+    assert isinstance(tg.available_w8a16("meta"), str)
