@@ -35,6 +35,20 @@ def bench(fn, warmup_ms: int, rep_ms: int) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def graph_ms(make_call, copies: int, warmup_ms: int, rep_ms: int) -> float:
+    """GPU time per call without host launch overhead: `copies` calls (each on its own weight copy,
+    so the weights stream from HBM and not L2) captured in one CUDA graph; replay time / copies."""
+    calls = [make_call(i) for i in range(copies)]
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    return bench(graph.replay, warmup_ms, rep_ms) / copies
+
+
 def torchao_layers(lin: torch.nn.Linear) -> dict[str, torch.nn.Module]:
     """The peer: torchao float8 dynamic activation + weight, per tensor / per row / 1x128-128x128."""
     import copy
@@ -52,10 +66,12 @@ def torchao_layers(lin: torch.nn.Linear) -> dict[str, torch.nn.Module]:
 
 
 def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=10, rep_ms=40,
-        with_torchao=True, with_compiled=True) -> list[dict]:
+        with_torchao=True, with_compiled=True, with_graphs=True) -> list[dict]:
     from fp8now import Fp8Config, Fp8Linear, Scheme
     from fp8now.numerics import quantize_activation, quantize_weight
     dev = "cuda"
+    torch._dynamo.config.recompile_limit = 1024      # the compiled peers must not fall back to eager
+    torch._dynamo.config.accumulated_recompile_limit = 4096
     rows: list[dict] = []
     notes: list[str] = []
 
@@ -79,12 +95,27 @@ def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=10, rep_ms=40
                 notes.append(f"torchao unavailable for {n}x{k}: {type(e).__name__}: {e}")
         compiled = {}
         if with_compiled:
-            for name, mod in peers.items():
-                compiled[name + "-compiled"] = torch.compile(mod, dynamic=False)
+            for name, mod in peers.items():  # one compile per module: M is dynamic
+                compiled[name + "-compiled"] = torch.compile(mod, dynamic=True)
         w_q, w_s = quantize_weight(lin.weight, "channel")
         w_qt, w_st = quantize_weight(lin.weight, "tensor")
+        graph_copies = 8 if with_graphs else 0
+        lin_copies = [lin] + [torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+                              for _ in range(graph_copies - 1)]
+        for c in lin_copies[1:]:
+            with torch.no_grad():
+                c.weight.copy_(lin.weight)
+        fp8_copies = {s: [Fp8Linear.from_linear(c, Fp8Config(scheme=s)) for c in lin_copies]
+                      for s in Scheme} if graph_copies else {}
         for m in m_values:
             x = varied(m, k, seed=m + k, device=dev)
+            if graph_copies and m <= 16:
+                add(m, n, k, "bf16-graph", graph_ms(
+                    lambda i: (lambda: torch.nn.functional.linear(x, lin_copies[i].weight)),
+                    graph_copies, warmup_ms, rep_ms))
+                for s, copies in fp8_copies.items():
+                    add(m, n, k, f"fp8now-{s.value}-graph", graph_ms(
+                        lambda i, copies=copies: (lambda: copies[i](x)), graph_copies, warmup_ms, rep_ms))
             add(m, n, k, "bf16", bench(lambda: torch.nn.functional.linear(x, lin.weight), warmup_ms, rep_ms))
             x_q, x_s = quantize_activation(x, "token")
             add(m, n, k, "scaled_mm", bench(lambda: torch._scaled_mm(
@@ -104,7 +135,7 @@ def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=10, rep_ms=40
                         add(m, n, k, name, bench(lambda: mod(x), warmup_ms, rep_ms))
                 except Exception as e:
                     notes.append(f"{name} M={m} {n}x{k}: {type(e).__name__}: {str(e)[:200]}")
-        del layers, peers, compiled
+        del layers, peers, compiled, lin_copies, fp8_copies
         torch.cuda.empty_cache()
         print(f"  {n}x{k} done in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
     notes.append("transformers FineGrainedFP8 (5.17) needs the `kernels` hub package and fails offline; "
@@ -119,14 +150,18 @@ def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=10, rep_ms=40
 def summary(rows: list[dict]) -> str:
     """Speed-up over bf16 per (shape, M) for the main impls."""
     impls = ["scaled_mm", "fp8now-tensor", "fp8now-channel", "fp8now-block", "torchao-row",
-             "torchao-row-compiled", "torchao-block-compiled"]
+             "torchao-row-compiled", "torchao-block-compiled", "fp8now-channel-graph"]
     base = {(r["M"], r["N"], r["K"]): r["ms"] for r in rows if r["impl"] == "bf16"}
+    graph_base = {(r["M"], r["N"], r["K"]): r["ms"] for r in rows if r["impl"] == "bf16-graph"}
     table = {}
-    for r in rows:
-        table[(r["M"], r["N"], r["K"], r["impl"])] = r["ms"]
+    for r in rows:  # graph rows compare with the bf16 graph row; all others with eager bf16
+        ref = graph_base if r["impl"].endswith("-graph") else base
+        key = (r["M"], r["N"], r["K"])
+        if key in ref:
+            table[(*key, r["impl"])] = ref[key] / r["ms"]
     lines = [f"{'M':>6} {'N':>6} {'K':>6} {'bf16 ms':>8} " + " ".join(f"{i[:14]:>14}" for i in impls)]
     for (m, n, k), b in sorted(base.items(), key=lambda t: (t[0][1], t[0][2], t[0][0])):
-        cells = [f"{b / table[(m, n, k, i)]:14.2f}" if (m, n, k, i) in table else f"{'-':>14}" for i in impls]
+        cells = [f"{table[(m, n, k, i)]:14.2f}" if (m, n, k, i) in table else f"{'-':>14}" for i in impls]
         lines.append(f"{m:>6} {n:>6} {k:>6} {b:8.4f} " + " ".join(cells))
     return "\n".join(lines)
 

@@ -45,6 +45,11 @@ def check_exact(layer, lin, x):
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 300])
 def test_backend_vs_exact(backend, scheme, n, k, m):
+    from fp8now.kernels.torch_mm import blockwise_unfit
+    if backend == "torch" and scheme is Scheme.BLOCK and blockwise_unfit(k):
+        with pytest.raises(RuntimeError, match="blockwise scaled_mm"):  # refused, with its reason
+            layer_for(n, k, scheme, backend)
+        return
     lin, layer = layer_for(n, k, scheme, backend)
     assert layer.backend == backend
     x = varied((m, k), torch.float32, seed=m * k, spread=3).cuda().to(torch.bfloat16)
@@ -54,8 +59,8 @@ def test_backend_vs_exact(backend, scheme, n, k, m):
 @pytest.mark.parametrize("scheme", list(Scheme))
 def test_fp16_activations(scheme):
     lin, layer = layer_for(512, 1024, scheme, "triton", dtype=torch.float16)
-    for m in (3, 100):
-        y = check_exact(layer, lin, varied((m, 1024), torch.float16, seed=m).cuda())
+    for m in (3, 100):  # magnitudes kept small enough that the fp16 outputs stay below 65504
+        y = check_exact(layer, lin, varied((m, 1024), torch.float16, seed=m, spread=1).cuda())
         assert y.dtype == torch.float16
 
 

@@ -95,8 +95,9 @@ def blockwise_mm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_
         x_scale = torch.cat([x_scale, x_scale.new_ones(pad, x_scale.shape[1])])
     if x_scale.stride(0) != 1:
         x_scale = x_scale.t().contiguous().t()                # [M, K/128], strides (1, M)
-    y = F.scaled_mm(x_q, w_q.t(), x_scale, F.ScalingType.BlockWise1x128,
-                    w_scale.t(), F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+    # torch._scaled_mm infers (BlockWise1x128, BlockWise128x128) from the scale shapes and, unlike
+    # F.scaled_mm (whose _scaled_mm_v2 dynamo cannot trace), compiles under torch.compile.
+    y = torch._scaled_mm(x_q, w_q.t(), x_scale, w_scale.t(), out_dtype=torch.bfloat16)
     y = y[:m]
     if bias is not None:
         y = y.float() + bias.float()
