@@ -2,10 +2,12 @@
 
 from .config import Fp8Config, Scheme
 from .linear import Fp8Linear
+from .loader import load, quantize_, reload_weights
 from .numerics import dequantize, quantize_activation, quantize_weight, rel_diff, sqnr
+from .report import LoadReport
 
 __all__ = [
-    "Fp8Config", "Fp8Linear", "Scheme",
+    "Fp8Config", "Fp8Linear", "LoadReport", "Scheme", "load", "quantize_", "reload_weights",
     "dequantize", "quantize_activation", "quantize_weight", "rel_diff", "sqnr",
 ]
 __version__ = "0.1.0"

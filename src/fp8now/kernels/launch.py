@@ -6,7 +6,8 @@ decode sizes). `fast(kernel)[grid](...)` does the same launch but keeps the comp
 key computed here, which is at least as fine as Triton's own specialization (dtype and 16-byte
 alignment of every tensor, `== 1` / `% 16` / 32-bit range of every int, every constexpr value), and
 then calls the compiled kernel's launcher directly. Anything unusual takes Triton's normal path:
-the first call of a key, the interpreter, torch.compile tracing, and launch hooks (profilers).
+the first call of a key, the interpreter, torch.compile tracing, and launch hooks (profilers)
+present when a key is first seen (hooks attached later are not called by the fast path).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 _COMPILED: dict[tuple, tuple[Any, tuple]] = {}
+STATS = {"fast": 0, "triton": 0}  # launches taken by each path (benchmarks print it)
 _WRAPPERS: dict[int, FastKernel] = {}
 _INT32 = 2 ** 31
 
@@ -58,19 +60,22 @@ class FastKernel:
         return lambda *args, **meta: self._launch(grid, args, meta)
 
     def _launch(self, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
-        if not self.compiled_path or torch.compiler.is_compiling():
+        if not self.compiled_path:
             self.kernel[grid](*args, **meta)
             return
         key = (id(self.kernel), tuple(map(_spec, args)), tuple(meta.items()))
         hit = _COMPILED.get(key)
-        if hit is None or _hooks_set():
+        if hit is None:
+            STATS["triton"] += 1
             compiled = self.kernel[grid](*args, **meta)
-            if compiled is not None and hasattr(compiled, "run") and not hasattr(compiled, "result"):
+            if (compiled is not None and hasattr(compiled, "run") and not hasattr(compiled, "result")
+                    and not _hooks_set()):
                 names = [p.name for p in self.kernel.params[len(args):]]
                 tail = tuple(meta[n] if n in meta else p.default
                              for n, p in zip(names, self.kernel.params[len(args):]))
                 _COMPILED[key] = (compiled, tail)
             return
+        STATS["fast"] += 1
         compiled, tail = hit
         stream = _raw_stream(args[0].device.index if isinstance(args[0], torch.Tensor) else None)
         g = tuple(grid) + (1, 1)
@@ -78,8 +83,11 @@ class FastKernel:
                      None, None, None, *args, *tail)
 
 
-def fast(kernel: Any) -> FastKernel:
-    """The low-overhead launcher for `kernel` (one per kernel)."""
+def fast(kernel: Any) -> Any:
+    """The low-overhead launcher for `kernel` (one per kernel); the kernel itself while
+    torch.compile traces, so that dynamo sees an ordinary Triton launch."""
+    if torch.compiler.is_compiling():
+        return kernel
     wrapper = _WRAPPERS.get(id(kernel))
     if wrapper is None:
         wrapper = _WRAPPERS[id(kernel)] = FastKernel(kernel)

@@ -1,0 +1,362 @@
+"""Quantize-on-load (SPEC §5): meta skeleton, header check of every tensor, then stream and quantize.
+
+At most one layer's float weight is on the device at a time: a quantized layer's tensors wait on the
+host until the layer is complete, then move, are quantized, and are dropped at once. Every other
+tensor (embeddings, norms, lm_head) goes straight to the device in `dtype`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import Fp8Config
+from .hf import (ST_DTYPES, Slot, build_skeleton, checkpoint_files, corrupt_error, index_map,
+                 keep_fp32_names, model_slots, resolve_name, scan_headers, set_submodule, swap_linears,
+                 target_linears)
+from .linear import Fp8Linear, check_float_weight
+from .report import LayerRow, LoadReport, ReloadReport, peak_host_rss_bytes, tensor_bytes, weight_error
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _source_map(model_dir: Path, files: list[Path], slots: dict[str, Slot], alias_of: dict[str, str],
+                 computed: set[str], prefix: str
+                 ) -> tuple[dict[Path, list[tuple[str, str]]], list[tuple[str, str]]]:
+    """Check every header against the model; -> per file [(key, model name)], skipped (key, why)."""
+    known = set(slots) | set(alias_of) | computed
+    source: dict[str, tuple[Path, str]] = {}
+    via_alias: dict[str, list[tuple[Path, str]]] = {}
+    unexpected: list[str] = []
+    skipped: list[tuple[str, str]] = []
+    in_file: dict[str, set[str]] = {}
+    for path in files:
+        headers = scan_headers(path)
+        in_file[path.name] = {key for key, _, _ in headers}
+        for key, shape, st_dtype in headers:
+            name = resolve_name(key, known, prefix)
+            if name is None:
+                unexpected.append(f"{key!r} in {path.name}")
+                continue
+            if name in computed:
+                skipped.append((key, "non-persistent buffer: the model computes it"))
+                continue
+            canon = alias_of.get(name, name)
+            _check_header(slots[canon], key, path, shape, st_dtype)
+            if name in alias_of:
+                via_alias.setdefault(canon, []).append((path, key))
+            elif canon in source:
+                first = source[canon]
+                raise ValueError(f"tensor {key!r} appears twice: in {first[0]} and in {path}; each tensor "
+                                 "must be stored once (the checkpoint is inconsistent; re-download it)")
+            else:
+                source[canon] = (path, key)
+    for canon, sources in via_alias.items():
+        if canon not in source:
+            source[canon] = sources.pop(0)
+        skipped += [(key, f"tied to {canon}, loaded once") for _, key in sources]
+    if unexpected:
+        raise ValueError(f"{model_dir}: {len(unexpected)} tensor(s) the model does not define, e.g. "
+                         f"{', '.join(unexpected[:5])}; the checkpoint does not match its config.json")
+    for key, fname in (index_map(model_dir) or {}).items():
+        if key not in in_file.get(fname, ()):
+            raise ValueError(f"{model_dir / 'model.safetensors.index.json'} lists {key!r} in {fname}, "
+                             "which does not contain it; re-download the checkpoint")
+    missing = [n for n, s in slots.items() if n not in source and s.kind != "buffer"]
+    if missing:
+        raise ValueError(f"{model_dir}: {len(missing)} tensor(s) missing from the checkpoint, e.g. "
+                         f"{', '.join(missing[:5])}; the checkpoint is incomplete or does not match "
+                         "config.json (re-download it)")
+    by_file: dict[Path, list[tuple[str, str]]] = {p: [] for p in files}
+    for canon, (path, key) in source.items():
+        by_file[path].append((key, canon))
+    return by_file, skipped
+
+
+def _check_header(slot: Slot, key: str, path: Path, shape: tuple[int, ...], st_dtype: str) -> None:
+    """Float dtype (for float targets) and exact shape, before any data is read."""
+    if slot.is_float:
+        dt = ST_DTYPES.get(st_dtype)
+        if dt is None:
+            raise ValueError(f"{path}: tensor {key!r} has dtype {st_dtype}; expected BF16, F16 or F32 "
+                             "(fp8now quantizes float checkpoints; pre-quantized ones are another path)")
+        try:
+            check_float_weight(torch.empty(shape, dtype=dt, device="meta"), key, shape)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+    if tuple(shape) != slot.shape:
+        raise ValueError(f"{path}: tensor {key!r} has shape {tuple(shape)}, the model expects {slot.shape} "
+                         "(the checkpoint does not match its config.json)")
+
+
+def _quantize_layer(layer: Fp8Linear, parts: dict[str, tuple[torch.Tensor, Path, str]],
+                    device: torch.device, dtype: torch.dtype, measure: bool) -> LayerRow:
+    """Move a complete layer to the device, quantize it from its own float dtype, drop the float copy."""
+    host_w, path, key = parts.pop("weight")
+    w = host_w.to(device)
+    del host_w
+    bias = parts.pop("bias", None)
+    b = None if bias is None else bias[0].to(device=device, dtype=dtype)
+    try:
+        layer.load_(w, b)
+    except ValueError as e:
+        raise ValueError(f"{path}: tensor {key!r}: {e}") from None
+    sqnr = rel = None
+    if measure:
+        sqnr, rel = weight_error(w, layer.weight, layer.weight_scale, layer.scheme)
+    return LayerRow(layer.name, layer.scheme.value, layer.backend or "?", layer.out_features,
+                    layer.in_features, b is not None, sqnr, rel)
+
+
+def _materialize(slot: Slot, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
+    """Put a non-quantized tensor on the device (floats in `dtype`, or float32 where the model keeps
+    them so), replacing the meta one."""
+    if slot.kind == "buffer":
+        old = slot.owner._buffers[slot.leaf]
+        slot.owner._buffers[slot.leaf] = t.to(dtype=old.dtype).to(device)
+        return
+    want = torch.float32 if slot.keep_fp32 else dtype
+    if t.is_floating_point() and t.dtype != want:
+        t = t.to(want)  # cast on the host: no float32 copy on the device
+    param = nn.Parameter(t.to(device), requires_grad=False)
+    for owner, leaf in [(slot.owner, slot.leaf), *slot.aliases]:
+        owner._parameters[leaf] = param
+
+
+def _stream(by_file: dict[Path, list[tuple[str, str]]], slots: dict[str, Slot], device: torch.device,
+            dtype: torch.dtype, measure: bool) -> list[LayerRow]:
+    from safetensors import safe_open
+
+    rows: list[LayerRow] = []
+    pending: dict[str, dict[str, tuple[torch.Tensor, Path, str]]] = {}
+    for path, entries in by_file.items():
+        if not entries:
+            continue
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as e:
+            raise corrupt_error(path, e) from None
+        with handle as f:
+            for key, name in entries:
+                try:
+                    t = f.get_tensor(key)
+                except Exception as e:
+                    raise corrupt_error(path, e) from None
+                slot = slots[name]
+                if slot.kind != "fp8":
+                    _materialize(slot, t, device, dtype)
+                    continue
+                layer = slot.owner
+                assert isinstance(layer, Fp8Linear)
+                parts = pending.setdefault(layer.name, {})
+                parts[slot.leaf] = (t, path, key)
+                del t
+                if "weight" in parts and (layer.bias is None or "bias" in parts):
+                    rows.append(_quantize_layer(layer, pending.pop(layer.name), device, dtype, measure))
+    if pending:  # cannot happen after _source_map; kept as a guard against silent partial loads
+        raise RuntimeError(f"layers left incomplete after reading every file: {', '.join(pending)}")
+    return rows
+
+
+def _finish(model: nn.Module, device: torch.device, source: str) -> None:
+    """Buffers to the device; nothing may remain on meta; eval mode."""
+    for module in model.modules():
+        for leaf, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[leaf] = buf.to(device)
+    for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in items:
+            if t.is_meta:
+                raise RuntimeError(f"{kind} {name} is still on the meta device after loading {source}; "
+                                   "this is a bug in fp8now: please report it with the model's config.json")
+    model.requires_grad_(False)
+    model.eval()
+
+
+def default_device() -> torch.device:
+    """cuda (the current GPU) when available, else cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def load(model_dir: str | Path, config: Fp8Config | None = None,
+         device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16, *,
+         measure_error: bool = True) -> tuple[nn.Module, LoadReport]:
+    """Load a bf16/fp16/fp32 Hugging Face checkpoint folder with its block linears quantized to FP8.
+
+    Builds the transformers model on the meta device, swaps the target linears for `Fp8Linear`,
+    checks every tensor header (names, shapes, dtypes) against the model, then streams the tensors:
+    each layer is quantized as soon as its weight (and bias) arrived, on `device` (default: cuda if
+    available, else cpu). Non-quantized tensors are stored in `dtype`. `measure_error` computes each
+    layer's SQNR / rel_diff for the report (one chunked dequantize per layer).
+    Returns `(model, report)`; the model is in eval mode with no tensor left on meta.
+    """
+    start = time.perf_counter()
+    config = config or Fp8Config()
+    if dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"dtype must be torch.bfloat16, float16 or float32, got {dtype}")
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        device = torch.device("cuda", index)
+        torch.cuda.reset_peak_memory_stats(device)
+        at_start = torch.cuda.memory_allocated(device)
+    model_dir = Path(model_dir)
+    model = build_skeleton(model_dir, dtype)
+    files = checkpoint_files(model_dir)
+    targets, ignored = target_linears(model, config)
+    if not targets:
+        raise ValueError(f"{model_dir}: nothing to quantize: all {len(ignored)} linear layers are left "
+                         f"alone (e.g. {ignored[0] if ignored else 'none found'}); loosen Fp8Config.ignore")
+    swap_linears(model, targets, config, "meta", dtype)
+    slots, alias_of, computed = model_slots(model)
+    for name in keep_fp32_names(model, slots):
+        slots[name].keep_fp32 = slots[name].kind == "param"
+    by_file, skipped = _source_map(model_dir, files, slots, alias_of, computed,
+                                   getattr(model, "base_model_prefix", "") or "")
+    rows = _stream(by_file, slots, device, dtype, measure_error)
+    _finish(model, device, str(model_dir))
+    report = _report(model, rows, ignored, str(model_dir), device, dtype, config)
+    report.skipped_tensors = skipped
+    report.files = [p.name for p in files]
+    report.load_s = time.perf_counter() - start
+    if device.type == "cuda":
+        report.peak_device_bytes = torch.cuda.max_memory_allocated(device)
+        report.device_bytes_at_start = at_start
+    return model, report
+
+
+def _report(model: nn.Module, rows: list[LayerRow], ignored: list[tuple[str, str]], source: str,
+            device: torch.device, dtype: torch.dtype, config: Fp8Config) -> LoadReport:
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    order = {name: i for i, name in enumerate(layers)}
+    rows = sorted(rows, key=lambda row: order[row.name])
+    report = LoadReport(source=source, device=str(device), dtype=str(dtype).removeprefix("torch."),
+                        scheme=config.scheme.value, layers=rows, ignored=ignored)
+    for row in rows:
+        layer = layers[row.name]
+        report.bf16_bytes += 2 * layer.weight.numel()
+        report.fp8_bytes += layer.weight.numel() * layer.weight.element_size() + layer.weight_scale.nbytes
+    report.model_bytes = tensor_bytes([*model.parameters(), *model.buffers()])
+    report.peak_host_rss_bytes = peak_host_rss_bytes()
+    return report
+
+
+def quantize_(model: nn.Module, config: Fp8Config | None = None, *,
+              measure_error: bool = True) -> LoadReport:
+    """Swap the block linears of an already materialized model for `Fp8Linear`s, in place.
+
+    Idempotent: an existing `Fp8Linear` is skipped (listed as already FP8), never re-quantized.
+    Raises when the model has nothing to quantize and nothing already quantized.
+    """
+    start = time.perf_counter()
+    config = config or Fp8Config()
+    targets, ignored = target_linears(model, config)
+    if not targets and not any(isinstance(m, Fp8Linear) for m in model.modules()):
+        raise ValueError(f"quantize_: nothing to quantize in {type(model).__name__}: all {len(ignored)} "
+                         "linear layers are left alone; loosen Fp8Config.ignore")
+    rows: list[LayerRow] = []
+    device = torch.device("cpu")
+    for name, linear in targets.items():
+        for p in linear.parameters():
+            if p.is_meta:
+                raise ValueError(f"quantize_: {name} is on the meta device; load checkpoints with "
+                                 "fp8now.load")
+        w = linear.weight.detach()
+        device = w.device
+        layer = Fp8Linear.from_linear(linear, config, name=name)
+        sqnr = rel = None
+        if measure_error:
+            sqnr, rel = weight_error(w, layer.weight, layer.weight_scale, layer.scheme)
+        rows.append(LayerRow(name, layer.scheme.value, layer.backend or "?", layer.out_features,
+                             layer.in_features, layer.bias is not None, sqnr, rel))
+        set_submodule(model, name, layer)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1),
+                 torch.bfloat16)
+    report = _report(model, rows, ignored, type(model).__name__, device, dtype, config)
+    report.load_s = time.perf_counter() - start
+    return report
+
+
+def _reload_slot(key: str, t: torch.Tensor, slots: dict[str, Slot], alias_of: dict[str, str],
+                 computed: set[str], prefix: str, known: set[str]) -> tuple[str, Slot | None]:
+    """The model name and slot for a reloaded tensor (None: a computed buffer); checks shape and dtype."""
+    name = resolve_name(key, known, prefix)
+    if name is None:
+        example = next(iter(slots), "")
+        raise ValueError(f"reload_weights: {key!r} is not a tensor of this model (names look like "
+                         f"{example!r}); nothing was written for it")
+    if name in computed:
+        return name, None
+    name = alias_of.get(name, name)
+    slot = slots[name]
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"reload_weights: {key!r} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != slot.shape:
+        raise ValueError(f"reload_weights: {key!r} has shape {tuple(t.shape)}, the model expects "
+                         f"{slot.shape}")
+    if slot.is_float:
+        check_float_weight(t, key, slot.shape)
+    return name, slot
+
+
+def reload_weights(model: nn.Module,
+                   named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+                   ) -> ReloadReport:
+    """Replace some or all weights of a loaded model in place (SPEC §7, RL refit).
+
+    Names are checkpoint / parameter names. An FP8 layer is re-quantized once its weight (and bias)
+    arrived, and the results are copied into its existing storage: Parameter objects and data_ptr()
+    never change, so captured CUDA graphs stay valid. Other tensors are copied in place. A layer
+    whose weight or bias is missing from this call is not touched and is listed in `report.partial`.
+    A dict or list is checked entirely (names, shapes, dtypes) before anything is written; a
+    streaming iterable is checked tensor by tensor. Unknown names raise.
+    """
+    start = time.perf_counter()
+    slots, alias_of, computed = model_slots(model)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    known = set(slots) | set(alias_of) | computed
+    items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else named_tensors
+    if isinstance(items, (list, tuple)):
+        for key, t in items:
+            _reload_slot(key, t, slots, alias_of, computed, prefix, known)
+    report = ReloadReport()
+    pending: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
+    for key, t in items:
+        try:
+            name, slot = _reload_slot(key, t, slots, alias_of, computed, prefix, known)
+        except (ValueError, TypeError) as e:
+            done = len(report.updated_layers) + len(report.copied)
+            raise type(e)(f"{e} ({done} earlier tensors of this call were already applied)") from None
+        if slot is None:
+            report.skipped.append(key)
+        elif slot.kind == "fp8":
+            layer = slot.owner
+            assert isinstance(layer, Fp8Linear)
+            layer_name = name.rsplit(".", 1)[0]
+            parts = pending.setdefault(layer_name, {})
+            parts[slot.leaf] = (key, t)
+            if "weight" in parts and (layer.bias is None or "bias" in parts):
+                wkey, w = parts["weight"]
+                try:
+                    with torch.no_grad():
+                        layer.load_(w, parts["bias"][1] if "bias" in parts else None)
+                except ValueError as e:
+                    raise ValueError(f"reload_weights: {wkey!r}: {e}") from None
+                del pending[layer_name]
+                report.updated_layers.append(layer_name)
+        else:
+            store = slot.owner._parameters if slot.kind == "param" else slot.owner._buffers
+            with torch.no_grad():
+                store[slot.leaf].copy_(t)
+            report.copied.append(name)
+    for layer_name, parts in pending.items():
+        needed = ("weight", "bias") if slots[f"{layer_name}.weight"].owner.bias is not None else ("weight",)
+        report.partial.append((layer_name, [f"{layer_name}.{leaf}" for leaf in needed if leaf not in parts]))
+    report.seconds = time.perf_counter() - start
+    return report
