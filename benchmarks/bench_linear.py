@@ -137,6 +137,8 @@ def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=10, rep_ms=40
                     notes.append(f"{name} M={m} {n}x{k}: {type(e).__name__}: {str(e)[:200]}")
         del layers, peers, compiled, lin_copies, fp8_copies
         torch.cuda.empty_cache()
+        with open(out_path, "w") as f:  # after every shape: a run cut short keeps what it measured
+            json.dump(rows, f, indent=1)
         print(f"  {n}x{k} done in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
     notes.append("transformers FineGrainedFP8 (5.17) needs the `kernels` hub package and fails offline; "
                  "not timed")
@@ -171,11 +173,14 @@ if __name__ == "__main__":
     ap.add_argument("--out", default="linear_h200.json")
     ap.add_argument("--quick", action="store_true", help="two shapes, four M values")
     ap.add_argument("--no-torchao", action="store_true")
+    ap.add_argument("--shapes", default="", help="subset, e.g. 4096x4096,28672x4096 (N x K)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_linear.py needs a CUDA GPU")
     kw = {}
     if args.quick:
         kw = dict(m_values=[1, 16, 1024, 16384], shapes=[(4096, 4096), (28672, 4096)])
+    if args.shapes:  # one shape with torchao compiled takes ~3 min on the H200: split long runs
+        kw["shapes"] = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")]
     result = run(args.out, with_torchao=not args.no_torchao, **kw)
     print(summary(result))

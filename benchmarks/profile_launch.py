@@ -37,10 +37,8 @@ def main():
         "triton_fp8.linear": lambda: triton_fp8.linear(x, w, s, None, layer.scheme, "token"),
         "Fp8Linear(x)": lambda: layer(x),
     }
-    from fp8now.kernels import launch
     for name, fn in rows.items():
         print(f"{name:24s} {per_call_us(fn):8.1f} us/call", flush=True)
-    print("launch paths taken:", launch.STATS, "hooks set:", launch._hooks_set())
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(300):

@@ -22,7 +22,6 @@ import torch
 
 from ..numerics import E4M3FN, GROUP_AMAX_FLOOR
 
-from .launch import fast
 try:
     import triton
     import triton.language as tl
@@ -312,7 +311,7 @@ def block_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: tor
         return y
     grid = (_cdiv(M, cfg["BLOCK_M"]) * _cdiv(N, cfg["BLOCK_N"]),)
     # Without bias, b_ptr gets a read-only stand-in (never y: no argument aliases the written output).
-    fast(_block_gemm_kernel)[grid](
+    _block_gemm_kernel[grid](
         x_q, x_s, w_q, w_s, bias if bias is not None else w_s, y,
         M, N, K,
         x_q.stride(0), x_q.stride(1), x_s.stride(0), x_s.stride(1),
@@ -387,7 +386,7 @@ def rowwise_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: t
     if M == 0 or N == 0:
         return y
     grid = (_cdiv(M, cfg["BLOCK_M"]) * _cdiv(N, cfg["BLOCK_N"]),)
-    fast(_rowwise_gemm_kernel)[grid](
+    _rowwise_gemm_kernel[grid](
         x_q, x_s, w_q, w_s, bias if bias is not None else w_s, y,
         M, N, K,
         x_q.stride(0), x_q.stride(1), sx, w_q.stride(0), w_q.stride(1), sw,
@@ -493,7 +492,7 @@ def fused_token_gemm(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
     y = torch.empty((M, N), dtype=out_dtype, device=x2.device)
     if M > 0 and N > 0:
         grid = (_cdiv(M, cfg["BLOCK_M"]), _cdiv(N, cfg["BLOCK_N"]))
-        fast(_fused_token_gemm_kernel)[grid](
+        _fused_token_gemm_kernel[grid](
             x2, w_q, w_s, bias if bias is not None else w_s, y,
             M, N, K,
             x2.stride(0), x2.stride(1), w_q.stride(0), w_q.stride(1), sw,
@@ -573,7 +572,7 @@ def fused_group_gemm(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
     y = torch.empty((M, N), dtype=out_dtype, device=x2.device)
     if M > 0 and N > 0:
         grid = (_cdiv(M, cfg["BLOCK_M"]), _cdiv(N, cfg["BLOCK_N"]))
-        fast(_fused_group_gemm_kernel)[grid](
+        _fused_group_gemm_kernel[grid](
             x2, w_q, w_s, bias if bias is not None else w_s, y,
             M, N, K,
             x2.stride(0), x2.stride(1), w_q.stride(0), w_q.stride(1), w_s.stride(0), w_s.stride(1),
@@ -680,7 +679,7 @@ def w8a16_gemm(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group: tup
     y = torch.empty((M, N), dtype=out_dtype, device=x2.device)
     if M > 0 and N > 0:
         grid = (_cdiv(M, cfg["BLOCK_M"]) * _cdiv(N, cfg["BLOCK_N"]),)
-        fast(_w8a16_gemm_kernel)[grid](
+        _w8a16_gemm_kernel[grid](
             x2, w_u8, w_s, bias if bias is not None else w_s, y,
             M, N, K,
             x2.stride(0), x2.stride(1), w_u8.stride(0), w_u8.stride(1), swn, swk,

@@ -24,7 +24,6 @@ import torch
 from ..config import Scheme
 from ..numerics import BLOCK_AMAX_FLOOR, E4M3FN, GROUP_AMAX_FLOOR, Fp8Format
 
-from .launch import fast
 try:
     import triton
     import triton.language as tl
@@ -145,7 +144,7 @@ def _launch_row(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8Form
     else:
         block_k, single = _ROW_CHUNK, False
     block_m = max(1, min(2048 // block_k, _pow2(M), 64))
-    fast(_row_quant_kernel)[(triton.cdiv(M, block_m),)](
+    _row_quant_kernel[(triton.cdiv(M, block_m),)](
         x2, q, s, M, K, x2.stride(0), q.stride(0),
         FMAX=fmt.fmax, FLOOR=fmt.min_scale, BLOCK_M=block_m, BLOCK_K=block_k, SINGLE=single,
         num_warps=_warps(block_m * block_k))
@@ -207,7 +206,7 @@ def quantize_act_group(x: torch.Tensor, col_major: bool = False, fmt: Fp8Format 
     groups = max(1, min(_pow2(K), 1024) // GROUP)
     block_m = max(1, min(4096 // (groups * GROUP), _pow2(M), 32))
     grid = (triton.cdiv(M, block_m), triton.cdiv(n_groups, groups))
-    fast(_group_quant_kernel)[grid](
+    _group_quant_kernel[grid](
         x2, q, s, M, K, x2.stride(0), q.stride(0), s.stride(0), s.stride(1),
         FMAX=fmt.fmax, FLOOR=GROUP_AMAX_FLOOR, BLOCK_M=block_m, GROUPS=groups, GROUP_K=GROUP,
         num_warps=_warps(block_m * groups * GROUP))
@@ -244,7 +243,7 @@ def _launch_amax(x2: torch.Tensor, amax_bits: torch.Tensor) -> None:
     bk = min(_pow2(K), 1024)
     bm = min(_pow2(M), max(1, 8192 // bk))
     k_iters = max(1, min(triton.cdiv(K, bk), 65536 // (bm * bk)))
-    fast(_amax_kernel)[(triton.cdiv(M, bm), triton.cdiv(K, bk * k_iters))](
+    _amax_kernel[(triton.cdiv(M, bm), triton.cdiv(K, bk * k_iters))](
         x2, amax_bits, M, K, x2.stride(0),
         BLOCK_M=bm, BLOCK_K=bk, K_ITERS=k_iters, num_warps=_warps(bm * bk))
 
@@ -278,7 +277,7 @@ def _launch_tensor(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, amax_bits
     _launch_amax(x2, amax_bits)
     bk = min(_pow2(K), 2048)  # 8K-element tiles
     bm = min(_pow2(M), max(1, 8192 // bk))
-    fast(_tensor_quant_kernel)[(triton.cdiv(M, bm), triton.cdiv(K, bk))](
+    _tensor_quant_kernel[(triton.cdiv(M, bm), triton.cdiv(K, bk))](
         x2, q, amax_bits, s, M, K, x2.stride(0), q.stride(0),
         FMAX=fmt.fmax, FLOOR=fmt.min_scale, BLOCK_M=bm, BLOCK_K=bk, num_warps=_warps(bm * bk))
 
@@ -321,7 +320,7 @@ def _launch_block(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8For
     N, K = w.shape
     if N == 0 or K == 0:
         return
-    fast(_block_quant_kernel)[(triton.cdiv(N, GROUP), triton.cdiv(K, GROUP))](
+    _block_quant_kernel[(triton.cdiv(N, GROUP), triton.cdiv(K, GROUP))](
         w, q, s, N, K, w.stride(0), q.stride(0), s.stride(0),
         FMAX=fmt.fmax, FLOOR=BLOCK_AMAX_FLOOR, BLOCK=GROUP, num_warps=8)
 
