@@ -2,7 +2,8 @@
 
 from .config import Fp8Config, Scheme
 from .linear import Fp8Linear
-from .loader import load, quantize_, reload_weights
+from .loader import load, quantize_
+from .reload import reload_weights
 from .numerics import dequantize, quantize_activation, quantize_weight, rel_diff, sqnr
 from .report import LoadReport
 

@@ -8,7 +8,6 @@ tensor (embeddings, norms, lm_head) goes straight to the device in `dtype`.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -19,7 +18,7 @@ from .hf import (ST_DTYPES, Slot, build_skeleton, checkpoint_files, corrupt_erro
                  keep_fp32_names, model_slots, resolve_name, scan_headers, set_submodule, swap_linears,
                  target_linears)
 from .linear import Fp8Linear, check_float_weight
-from .report import LayerRow, LoadReport, ReloadReport, peak_host_rss_bytes, tensor_bytes, weight_error
+from .report import LayerRow, LoadReport, peak_host_rss_bytes, tensor_bytes, weight_error
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -280,83 +279,4 @@ def quantize_(model: nn.Module, config: Fp8Config | None = None, *,
                  torch.bfloat16)
     report = _report(model, rows, ignored, type(model).__name__, device, dtype, config)
     report.load_s = time.perf_counter() - start
-    return report
-
-
-def _reload_slot(key: str, t: torch.Tensor, slots: dict[str, Slot], alias_of: dict[str, str],
-                 computed: set[str], prefix: str, known: set[str]) -> tuple[str, Slot | None]:
-    """The model name and slot for a reloaded tensor (None: a computed buffer); checks shape and dtype."""
-    name = resolve_name(key, known, prefix)
-    if name is None:
-        example = next(iter(slots), "")
-        raise ValueError(f"reload_weights: {key!r} is not a tensor of this model (names look like "
-                         f"{example!r}); nothing was written for it")
-    if name in computed:
-        return name, None
-    name = alias_of.get(name, name)
-    slot = slots[name]
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"reload_weights: {key!r} must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != slot.shape:
-        raise ValueError(f"reload_weights: {key!r} has shape {tuple(t.shape)}, the model expects "
-                         f"{slot.shape}")
-    if slot.is_float:
-        check_float_weight(t, key, slot.shape)
-    return name, slot
-
-
-def reload_weights(model: nn.Module,
-                   named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
-                   ) -> ReloadReport:
-    """Replace some or all weights of a loaded model in place (SPEC §7, RL refit).
-
-    Names are checkpoint / parameter names. An FP8 layer is re-quantized once its weight (and bias)
-    arrived, and the results are copied into its existing storage: Parameter objects and data_ptr()
-    never change, so captured CUDA graphs stay valid. Other tensors are copied in place. A layer
-    whose weight or bias is missing from this call is not touched and is listed in `report.partial`.
-    A dict or list is checked entirely (names, shapes, dtypes) before anything is written; a
-    streaming iterable is checked tensor by tensor. Unknown names raise.
-    """
-    start = time.perf_counter()
-    slots, alias_of, computed = model_slots(model)
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    known = set(slots) | set(alias_of) | computed
-    items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else named_tensors
-    if isinstance(items, (list, tuple)):
-        for key, t in items:
-            _reload_slot(key, t, slots, alias_of, computed, prefix, known)
-    report = ReloadReport()
-    pending: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
-    for key, t in items:
-        try:
-            name, slot = _reload_slot(key, t, slots, alias_of, computed, prefix, known)
-        except (ValueError, TypeError) as e:
-            done = len(report.updated_layers) + len(report.copied)
-            raise type(e)(f"{e} ({done} earlier tensors of this call were already applied)") from None
-        if slot is None:
-            report.skipped.append(key)
-        elif slot.kind == "fp8":
-            layer = slot.owner
-            assert isinstance(layer, Fp8Linear)
-            layer_name = name.rsplit(".", 1)[0]
-            parts = pending.setdefault(layer_name, {})
-            parts[slot.leaf] = (key, t)
-            if "weight" in parts and (layer.bias is None or "bias" in parts):
-                wkey, w = parts["weight"]
-                try:
-                    with torch.no_grad():
-                        layer.load_(w, parts["bias"][1] if "bias" in parts else None)
-                except ValueError as e:
-                    raise ValueError(f"reload_weights: {wkey!r}: {e}") from None
-                del pending[layer_name]
-                report.updated_layers.append(layer_name)
-        else:
-            store = slot.owner._parameters if slot.kind == "param" else slot.owner._buffers
-            with torch.no_grad():
-                store[slot.leaf].copy_(t)
-            report.copied.append(name)
-    for layer_name, parts in pending.items():
-        needed = ("weight", "bias") if slots[f"{layer_name}.weight"].owner.bias is not None else ("weight",)
-        report.partial.append((layer_name, [f"{layer_name}.{leaf}" for leaf in needed if leaf not in parts]))
-    report.seconds = time.perf_counter() - start
     return report
