@@ -1,0 +1,237 @@
+"""`fp8now run | eval | inspect`: every command defaults to the embedded SmolLM2-135M-Instruct.
+
+Results go to stdout, progress bars and errors to stderr. An error is one line and exit status 1
+(`--debug` shows the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+DEFAULT_PROMPT = "Explain in two sentences why smaller number formats make language models faster."
+SAMPLE_TEMPERATURE = 0.7
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                        help="Hugging Face checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
+    common.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    common.add_argument("--debug", action="store_true", help="show the traceback on errors")
+    p = argparse.ArgumentParser(prog="fp8now", description="Run bf16 LLM checkpoints in FP8, quantized "
+                                "while they load.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    scheme_help = "channel (ptpc), block, tensor, tensor-pt (per-tensor activations); aliases accepted"
+
+    run = sub.add_parser("run", parents=[common], help="load in FP8 and generate (greedy and sampled)")
+    run.add_argument("--scheme", default="channel", help=scheme_help + " (default: channel)")
+    run.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message")
+    run.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    run.add_argument("--seed", type=int, default=0, help="seed of the sampled generation (default: 0)")
+
+    ev = sub.add_parser("eval", parents=[common], help="perplexity, KL and top-1 agreement of FP8 vs bf16")
+    ev.add_argument("--scheme", default="channel", help=scheme_help + ", or all (default: channel)")
+    ev.add_argument("--text", default=None, metavar="FILE",
+                    help="UTF-8 text to evaluate on (default: the bundled licence texts, ~29k tokens)")
+    ev.add_argument("--max-tokens", type=int, default=None, metavar="N", help="use only the first N tokens")
+    ev.add_argument("--seq-len", type=int, default=512, metavar="L", help="window length (default: 512)")
+    ev.add_argument("--batch-size", type=int, default=4, metavar="B", help="windows per forward (default: 4)")
+    ev.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    ev.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of per-layer SQNR")
+
+    ins = sub.add_parser("inspect", parents=[common], help="load in FP8 and print the load report")
+    ins.add_argument("--scheme", default="channel", help=scheme_help + " (default: channel)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `fp8now` command; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        return {"run": cmd_run, "eval": cmd_eval, "inspect": cmd_inspect}[args.command](args)
+    except KeyboardInterrupt:
+        print("fp8now: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # one clear line, unless --debug
+        if args.debug:
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"fp8now: error: {message}", file=sys.stderr)
+        return 1
+
+
+def _device(name: str | None):
+    import torch
+
+    if name is None:
+        return None
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
+
+
+def _load(args, measure_error: bool = True):
+    """Check the scheme first (fast), then resolve the model folder and load it in FP8."""
+    from .evaluate import scheme_config
+    from .loader import load
+    from .models import resolve_model
+
+    key, config = scheme_config(args.scheme)
+    device = _device(args.device)
+    model_dir = resolve_model(args.model)
+    model, report = load(model_dir, config, device=device, measure_error=measure_error)
+    return key, model_dir, model, report
+
+
+def cmd_inspect(args) -> int:
+    key, model_dir, _, report = _load(args)
+    print(f"{model_dir} as FP8 ({key})")
+    print(report.format_table())
+    return 0
+
+
+def cmd_run(args) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    key, model_dir, model, report = _load(args, measure_error=False)  # no SQNR needed here
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if getattr(tokenizer, "chat_template", None):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
+                                               add_generation_prompt=True)
+    else:
+        prompt = args.prompt
+    enc = tokenizer(prompt, add_special_tokens=not getattr(tokenizer, "chat_template", None),
+                    return_tensors="pt").to(next(model.parameters()).device)
+    print(f"model: {model_dir}  scheme: {key}  device: {report.device}")
+    print(f"prompt: {args.prompt}")
+    runs = [("greedy", dict(do_sample=False)),
+            (f"sampled (temperature {SAMPLE_TEMPERATURE}, seed {args.seed})",
+             dict(do_sample=True, temperature=SAMPLE_TEMPERATURE, top_k=0, top_p=1.0))]
+    for title, kwargs in runs:
+        torch.manual_seed(args.seed)
+        text, n, seconds = _generate(model, tokenizer, enc, args.max_new_tokens, kwargs)
+        print(f"\n--- {title}: {n} tokens in {seconds:.2f} s ({n / seconds:.1f} tokens/s)")
+        print(text)
+    print()
+    print(_memory_summary(report))
+    return 0
+
+
+def _generate(model, tokenizer, enc, max_new_tokens: int, kwargs: dict) -> tuple[str, int, float]:
+    """(new text, new tokens, seconds) of one `generate` call."""
+    import torch
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=pad, **kwargs)
+    seconds = max(time.perf_counter() - start, 1e-9)
+    new = out[0, enc["input_ids"].shape[1]:]
+    return tokenizer.decode(new, skip_special_tokens=True).strip(), int(new.numel()), seconds
+
+
+def _mib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def _memory_summary(report) -> str:
+    """bf16 vs fp8 bytes of the quantized layers, whole model, peaks, load time, backends."""
+    ratio = report.bf16_bytes / report.fp8_bytes if report.fp8_bytes else float("nan")
+    backends = Counter(row.backend for row in report.layers)
+    peak = _mib(report.peak_device_bytes) if report.peak_device_bytes is not None else "n/a (not CUDA)"
+    return "\n".join([
+        f"quantized layers: {len(report.layers)} ({report.scheme}); weights {_mib(report.bf16_bytes)} bf16 -> "
+        f"{_mib(report.fp8_bytes)} fp8 incl. scales ({ratio:.2f}x smaller)",
+        f"whole model on {report.device}: {_mib(report.model_bytes)}; left alone: {len(report.ignored)} "
+        f"({', '.join(name for name, _ in report.ignored) or 'none'})",
+        f"load {report.load_s:.2f} s; peak device memory {peak}; peak host RSS "
+        f"{_mib(report.peak_host_rss_bytes)} (process-wide)",
+        "backends: " + ", ".join(f"{name} x{count}" for name, count in sorted(backends.items())),
+    ])
+
+
+def cmd_eval(args) -> int:
+    from .evaluate import bundled_text, evaluate, expand_schemes, plot_layer_errors
+    from .models import resolve_model
+
+    keys = expand_schemes([args.scheme])
+    device = _device(args.device)
+    if args.text is None:
+        name, text = bundled_text()
+    else:
+        path = Path(args.text)
+        try:
+            name, text = path.name, path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read --text {path}: {e}; pass a UTF-8 text file") from None
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise ValueError(f"--max-tokens must be at least 2, got {args.max_tokens}")
+    model_dir = resolve_model(args.model)
+    results = evaluate(model_dir, keys, text, max_tokens=args.max_tokens, seq_len=args.seq_len,
+                       device=device, batch_size=args.batch_size, text_name=name)
+    if args.plot:
+        results["plot"] = str(plot_layer_errors(results, args.plot))
+    if args.json:
+        print(json.dumps(_finite(results), allow_nan=False))
+        return 0
+    print(format_results(results))
+    if args.plot:
+        print(f"\nper-layer SQNR plot: {results['plot']}")
+    return 0
+
+
+def _finite(obj):
+    """The results with NaN/inf floats as None, so the output is strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _table(head: tuple[str, ...], rows: list[tuple[str, ...]], right_from: int = 1) -> list[str]:
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    lines = ["  ".join(x.rjust(w) if i >= right_from else x.ljust(w) for i, (x, w) in enumerate(zip(r, widths)))
+             .rstrip() for r in (head, *rows)]
+    lines.insert(1, "-" * len(lines[0]))
+    return lines
+
+
+def format_results(results: dict) -> str:
+    """The summary table per scheme, then one row per layer with its weight SQNR under each scheme."""
+    t = results["text"]
+    schemes = results["schemes"]
+    lines = [f"model {results['model']} on {results['device']}; text {t['name']}: {t['tokens']} tokens "
+             f"in {t['windows']} windows of <= {t['seq_len']} ({t['predicted']} predictions)", ""]
+    rows = [(k, f"{r['ppl_bf16']:.4f}", f"{r['ppl_fp8']:.4f}", f"{r['ppl_delta_pct']:+.3f}",
+             f"{r['kl']:.3e}", f"{100 * r['top1']:.2f}%") for k, r in schemes.items()]
+    lines += _table(("scheme", "ppl bf16", "ppl fp8", "delta %", "KL(bf16||fp8)", "top-1"), rows)
+    lines += ["", "per-layer weight error (SQNR dB of the dequantized FP8 weight; higher is better)"]
+    keys = list(schemes)
+    names = [r["name"] for r in schemes[keys[0]]["layers"]]
+    by_key = {k: {r["name"]: r for r in schemes[k]["layers"]} for k in keys}
+    layer_rows = [(name, *(_db(by_key[k].get(name)) for k in keys)) for name in names]
+    lines += _table(("layer", *keys), layer_rows)
+    return "\n".join(lines)
+
+
+def _db(row: dict | None) -> str:
+    if row is None:
+        return "-"
+    return "inf" if row["sqnr_db"] is None else f"{row['sqnr_db']:.1f}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
