@@ -22,6 +22,8 @@ import torch
 
 from ..numerics import E4M3FN, GROUP_AMAX_FLOOR
 
+from .triton_support import device_reason
+
 try:
     import triton
     import triton.language as tl
@@ -63,25 +65,7 @@ def _interpreting() -> bool:
 
 
 def _available(device, min_cap: tuple[int, int], what: str) -> str | None:
-    if _TRITON_ERROR is not None:
-        return f"triton is not importable ({_TRITON_ERROR})"
-    device = torch.device(device)
-    if device.type == "cpu":
-        if _interpreting():
-            return None
-        return ("Triton runs on CPU tensors only in its interpreter (TRITON_INTERPRET=1 set before "
-                "fp8now.kernels.triton_gemm is imported)")
-    if device.type != "cuda":
-        return f"no Triton FP8 kernels for device type {device.type!r}"
-    if torch.version.hip is not None:
-        return "the Triton FP8 kernels assume float8_e4m3fn and are not validated on ROCm"
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    cap = torch.cuda.get_device_capability(device)
-    if cap < min_cap:
-        return (f"{what} needs compute capability >= {min_cap[0]}.{min_cap[1]}, "
-                f"this GPU has {cap[0]}.{cap[1]}")
-    return None
+    return device_reason(device, _interpreting(), _TRITON_ERROR, min_cap, what)
 
 
 def available(device) -> str | None:

@@ -24,13 +24,15 @@ import torch
 from ..config import Scheme
 from ..numerics import BLOCK_AMAX_FLOOR, E4M3FN, GROUP_AMAX_FLOOR, Fp8Format
 
+from .triton_support import device_reason
+
 try:
     import triton
     import triton.language as tl
 
     _IMPORT_ERROR: str | None = None
 except ImportError as _e:  # the module stays importable so that `available` can say why
-    _IMPORT_ERROR = f"triton is not importable ({_e})"
+    _IMPORT_ERROR = str(_e)
 
     class _NoTriton:
         """Just enough of `triton` / `triton.language` for the kernel definitions to parse."""
@@ -60,7 +62,7 @@ def _warps(elements: int) -> int:
 
 def _require(x: torch.Tensor, ndim: tuple[int, ...], what: str) -> None:
     if _IMPORT_ERROR is not None:
-        raise RuntimeError(f"{what}: {_IMPORT_ERROR}")
+        raise RuntimeError(f"{what}: triton is not importable ({_IMPORT_ERROR})")
     if x.dim() not in ndim:
         raise ValueError(f"{what} expects a tensor with {' or '.join(map(str, ndim))} dims, "
                          f"got shape {tuple(x.shape)}")
@@ -387,21 +389,4 @@ def available(device: torch.device | str | None = None) -> str | None:
     Runs on CUDA GPUs of compute capability >= 8.9 (hardware FP8 conversion), and on the CPU
     only when Triton's interpreter was enabled (TRITON_INTERPRET=1) before this module was imported.
     """
-    if _IMPORT_ERROR is not None:
-        return _IMPORT_ERROR
-    dev = torch.device(device) if device is not None else torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type == "cpu":
-        return None if _is_interpreted() else "Triton runs on the CPU only with TRITON_INTERPRET=1"
-    if dev.type != "cuda":
-        return f"device type {dev.type!r} is not supported"
-    if torch.version.hip is not None:
-        return "ROCm GPUs are not supported by these kernels"
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    if _is_interpreted():
-        return "TRITON_INTERPRET=1 is set: the kernels would run in the slow CPU interpreter"
-    cap = torch.cuda.get_device_capability(dev)
-    if cap < (8, 9):
-        return f"FP8 conversion needs compute capability >= 8.9, device has {cap[0]}.{cap[1]}"
-    return None
+    return device_reason(device, _is_interpreted(), _IMPORT_ERROR, (8, 9), "FP8 conversion")

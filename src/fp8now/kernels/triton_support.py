@@ -1,0 +1,32 @@
+"""Where the Triton kernels can run: one device check shared by the quantizer and GEMM modules."""
+
+from __future__ import annotations
+
+import torch
+
+
+def device_reason(device: torch.device | str | None, interpreted: bool, import_error: str | None,
+                  min_cap: tuple[int, int], what: str) -> str | None:
+    """None if Triton kernels built as `interpreted` (or compiled) can run on `device`, else why not.
+
+    Compiled kernels run on CUDA GPUs of compute capability >= `min_cap`; interpreted ones
+    (TRITON_INTERPRET=1 set before the kernels were defined) on CPU tensors only.
+    """
+    if import_error is not None:
+        return f"triton is not importable ({import_error})"
+    dev = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cpu":
+        return None if interpreted else "Triton runs on CPU tensors only with TRITON_INTERPRET=1"
+    if dev.type != "cuda":
+        return f"no Triton FP8 kernels for device type {dev.type!r}"
+    if torch.version.hip is not None:
+        return "the Triton FP8 kernels assume float8_e4m3fn and are not validated on ROCm"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    if interpreted:
+        return "TRITON_INTERPRET=1 is set: the kernels would run in the slow CPU interpreter"
+    cap = torch.cuda.get_device_capability(dev)
+    if cap < min_cap:
+        return f"{what} needs compute capability >= {min_cap[0]}.{min_cap[1]}, this GPU has {cap[0]}.{cap[1]}"
+    return None
