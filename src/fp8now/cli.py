@@ -140,22 +140,12 @@ def _generate(model, tokenizer, enc, max_new_tokens: int, kwargs: dict) -> tuple
     return tokenizer.decode(new, skip_special_tokens=True).strip(), int(new.numel()), seconds
 
 
-def _mib(n: int | None) -> str:
-    return "n/a" if n is None else f"{n / 2**20:.1f} MiB"
-
-
 def _memory_summary(report) -> str:
-    """bf16 vs fp8 bytes of the quantized layers, whole model, peaks, load time, backends."""
-    ratio = report.bf16_bytes / report.fp8_bytes if report.fp8_bytes else float("nan")
+    """The report's bytes/memory lines, what was left alone, and the backends chosen."""
     backends = Counter(row.backend for row in report.layers)
-    peak = _mib(report.peak_device_bytes) if report.peak_device_bytes is not None else "n/a (not CUDA)"
-    return "\n".join([
-        f"quantized layers: {len(report.layers)} ({report.scheme}); weights {_mib(report.bf16_bytes)} bf16 -> "
-        f"{_mib(report.fp8_bytes)} fp8 incl. scales ({ratio:.2f}x smaller)",
-        f"whole model on {report.device}: {_mib(report.model_bytes)}; left alone: {len(report.ignored)} "
-        f"({', '.join(name for name, _ in report.ignored) or 'none'})",
-        f"load {report.load_s:.2f} s; peak device memory {peak}; peak host RSS "
-        f"{_mib(report.peak_host_rss_bytes)} (process-wide)",
+    left = ", ".join(name for name, _ in report.ignored) or "none"
+    return "\n".join(report.summary_lines() + [
+        f"left alone: {len(report.ignored)} ({left})",
         "backends: " + ", ".join(f"{name} x{count}" for name, count in sorted(backends.items())),
     ])
 

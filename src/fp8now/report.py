@@ -75,16 +75,19 @@ class LoadReport:
         lines.insert(1, "-" * len(lines[0]))
         lines += [f"left alone: {name} ({why})" for name, why in self.ignored]
         lines += [f"skipped checkpoint tensor: {name} ({why})" for name, why in self.skipped_tensors]
+        return "\n".join(lines + self.summary_lines())
+
+    def summary_lines(self) -> list[str]:
+        """Two lines: bf16 vs FP8 bytes and the whole model; load time and peak memory."""
         ratio = self.bf16_bytes / self.fp8_bytes if self.fp8_bytes else float("nan")
-        lines.append(f"quantized {len(self.layers)} layers ({self.scheme}): {_mib(self.bf16_bytes)} bf16 -> "
-                     f"{_mib(self.fp8_bytes)} fp8 incl. scales ({ratio:.2f}x smaller); whole model "
-                     f"{_mib(self.model_bytes)} on {self.device}")
         peak = "n/a (not CUDA)" if self.peak_device_bytes is None else _mib(self.peak_device_bytes)
         if self.device_bytes_at_start:
             peak += f" (incl. {_mib(self.device_bytes_at_start)} held before the load)"
-        lines.append(f"time {self.load_s:.2f} s; peak device memory {peak}; peak host RSS "
-                     f"{_mib(self.peak_host_rss_bytes)} (process-wide maximum since start)")
-        return "\n".join(lines)
+        return [f"quantized {len(self.layers)} layers ({self.scheme}): {_mib(self.bf16_bytes)} bf16 -> "
+                f"{_mib(self.fp8_bytes)} fp8 incl. scales ({ratio:.2f}x smaller); whole model "
+                f"{_mib(self.model_bytes)} on {self.device}",
+                f"time {self.load_s:.2f} s; peak device memory {peak}; peak host RSS "
+                f"{_mib(self.peak_host_rss_bytes)} (process-wide maximum since start)"]
 
     def to_dict(self) -> dict:
         """JSON-able; infinite SQNR (an exact weight) becomes None."""

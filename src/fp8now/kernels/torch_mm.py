@@ -68,11 +68,16 @@ def blockwise_unfit(k: int) -> str | None:
 
 def rowwise_mm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """`_scaled_mm` of x_q [M, K] and w_q [N, K]: scales both 0-d (tensorwise) or [M, 1] and [1, N].
+    """`_scaled_mm` of x_q [M, K] and w_q [N, K]: both scales 0-d (tensorwise), or a per-token /
+    single activation scale with a per-channel / single weight scale (rowwise, shaped here to the
+    [M, 1] and [1, N] cuBLAS wants; views when they already are).
 
     On CPU the product is taken in float32 (exact there); cuBLAS rowwise writes bf16 only.
     """
     tensorwise = x_scale.dim() == 0 and w_scale.dim() == 0
+    if not tensorwise:
+        x_scale = x_scale.reshape(-1, 1).expand(x_q.shape[0], 1).contiguous()
+        w_scale = w_scale.reshape(1, -1).expand(1, w_q.shape[0]).contiguous()
     if x_q.device.type == "cpu":
         mm_dtype = torch.float32
     else:
@@ -110,7 +115,4 @@ def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torc
     x_q, x_scale = quantize_activation(x, act_kind)
     if scheme is Scheme.BLOCK:
         return blockwise_mm(x_q, x_scale, w_q, w_scale, bias, x.dtype)
-    if x_scale.dim() or w_scale.dim():  # rowwise: both as row/column vectors
-        x_scale = x_scale.reshape(-1, 1).expand(x_q.shape[0], 1).contiguous()
-        w_scale = w_scale.reshape(1, -1).expand(1, w_q.shape[0]).contiguous()
     return rowwise_mm(x_q, x_scale, w_q, w_scale, bias, x.dtype)

@@ -38,17 +38,10 @@ def available(device: torch.device, scheme: Scheme, act_kind: str, n: int, k: in
     return None
 
 
-def _row_scale(w_scale: torch.Tensor, n: int) -> torch.Tensor:
-    """Weight scale as cuBLAS rowwise wants it: [1, N] contiguous float32."""
-    if w_scale.dim() == 0:
-        return w_scale.reshape(1, 1).expand(1, n).contiguous()
-    return w_scale.reshape(1, n)
-
-
 def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
            scheme: Scheme, act_kind: str, batch_invariant: bool = False) -> torch.Tensor:
     """y [M, N] = quantize(x [M, K]) @ W.T + bias in x.dtype."""
-    m, n = x.shape[0], w_q.shape[0]
+    m = x.shape[0]
     if scheme is Scheme.BLOCK:
         if batch_invariant:
             x_q, x_s = triton_quant.quantize_act_group(x)
@@ -66,4 +59,4 @@ def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torc
     if m <= FUSED_MAX_M:
         return triton_gemm.fused_token_gemm(x, w_q, w_scale, bias, scheme=scheme.value, out_dtype=x.dtype)
     x_q, x_s = triton_quant.quantize_act_token(x)
-    return torch_mm.rowwise_mm(x_q, x_s, w_q, _row_scale(w_scale, n), bias, x.dtype)
+    return torch_mm.rowwise_mm(x_q, x_s, w_q, w_scale, bias, x.dtype)
