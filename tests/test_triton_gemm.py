@@ -165,20 +165,16 @@ def _embed(fixed: torch.Tensor, size: int, g: torch.Generator) -> tuple[torch.Te
     return batch, where
 
 
-@pytest.mark.parametrize("kind", ["block", "rowwise", "fused_token", "fused_group"])
+@pytest.mark.parametrize("kind", ["block", "rowwise"])
 def test_batch_invariant(kind):
     g = _gen(5)
     n, k = 200, 320
     fixed = _varied(5, k, 1, g).to(BF16)
     w = _varied(n, k, 128, g)
-    scheme = "channel" if kind in ("rowwise", "fused_token") else "block"
+    scheme = "channel" if kind == "rowwise" else "block"
     w_q, w_s = (t.to(DEV) for t in nu.quantize_weight(w, scheme))
 
     def run(batch):
-        if kind == "fused_token":
-            return tg.fused_token_gemm(batch.to(DEV), w_q, w_s)
-        if kind == "fused_group":
-            return tg.fused_group_gemm(batch.to(DEV), w_q, w_s)
         x_q, x_s = (t.to(DEV) for t in nu.quantize_activation(batch, "group" if kind == "block" else "token"))
         gemm = tg.block_gemm if kind == "block" else tg.rowwise_gemm
         return gemm(x_q, x_s, w_q, w_s, out_dtype=BF16, batch_invariant=True)
@@ -193,10 +189,6 @@ def test_batch_invariant(kind):
             assert torch.equal(row, outs[40][j]), (kind, size, j)
 
 
-# ---------------------------------------------------------------------------------------------------
-# fused quantize + GEMM (decode)
-# ---------------------------------------------------------------------------------------------------
-
 def _activation(m, k, dtype, g):
     x = _varied(m, k, 1, g)
     if m > 2:
@@ -205,101 +197,45 @@ def _activation(m, k, dtype, g):
     return x.to(dtype)
 
 
-@pytest.mark.parametrize("m,n,k,scheme,bias,dtype", [
-    (1, 64, 128, "channel", False, BF16),
-    (3, 200, 320, "channel", True, BF16),
-    (33, 64, 256, "tensor", True, FP16),
-    (3, 200, 320, "tensor", False, FP16),
-])
-def test_fused_token_gemm(m, n, k, scheme, bias, dtype):
-    g = _gen(21 + m + n + k)
-    x = _activation(m, k, dtype, g)
-    w_q, w_s = nu.quantize_weight(_varied(n, k, 1, g), scheme)
+# ---------------------------------------------------------------------------------------------------
+# split-K (decode): partial sums in a workspace, reduced in order by a second kernel
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["block", "rowwise-channel", "rowwise-tensor"])
+@pytest.mark.parametrize("split,bias", [(2, True), (3, False), (5, True)])
+def test_split_k_matches_reference(kind, split, bias):
+    """K=640 in 2 / 3 / 5 splits (the last one short or, for 5 splits of 128, exact), every M tail."""
+    g = _gen(61 + split)
+    m, n, k = 5, 200, 640
+    x = _activation(m, k, BF16, g)
+    scheme = "block" if kind == "block" else kind.split("-")[1]
+    w_q, w_s = nu.quantize_weight(_varied(n, k, 128, g), scheme)
     b = torch.randn(n, generator=g) if bias else None
-    x_q, x_s = nu.quantize_activation(x, "token")
-    ref = _ref(x_q, x_s, TOKEN, w_q, w_s, W_GROUP[scheme], b)
-    w_q, w_s, x_d = w_q.to(DEV), w_s.to(DEV), x.to(DEV)
-    b = None if b is None else b.to(DEV)
-    y32 = tg.fused_token_gemm(x_d, w_q, w_s, b, scheme=scheme, out_dtype=FP32)
+    act = GROUP if kind == "block" else TOKEN
+    x_q, x_s = nu.quantize_activation(x, "group" if kind == "block" else "token")
+    ref = _ref(x_q, x_s, act, w_q, w_s, W_GROUP[scheme], b)
+    gemm = tg.block_gemm if kind == "block" else tg.rowwise_gemm
+    args = [t.to(DEV) for t in (x_q, x_s, w_q, w_s)] + [None if b is None else b.to(DEV)]
+    y32 = gemm(*args, out_dtype=FP32, config=dict(SPLIT_K=split))
     assert nu.rel_diff(y32.cpu(), ref) < 1e-6
-    assert nu.rel_diff(y32.cpu(), ref) < 1e-9    # float32 accumulation noise only: same fp8 operands
-    y = tg.fused_token_gemm(x_d, w_q, w_s, b, scheme=scheme)
-    assert y.dtype == dtype
-    y_sep = tg.rowwise_gemm(x_q.to(DEV), x_s.to(DEV), w_q, w_s, b, out_dtype=dtype)
-    assert nu.rel_diff(y.cpu(), y_sep.cpu()) < 1e-6
+    y1 = gemm(*args, out_dtype=FP32, config=dict(SPLIT_K=1))
+    assert nu.rel_diff(y32.cpu(), y1.cpu()) < 1e-6
+    y = gemm(*args, out_dtype=BF16, config=dict(SPLIT_K=split))
+    assert y.dtype == BF16
     _check(y, ref)
 
 
-@pytest.mark.parametrize("m,n,k,bias,dtype", [
-    (1, 64, 128, True, BF16),
-    (3, 200, 320, False, BF16),
-    (33, 200, 256, True, FP16),
-])
-def test_fused_group_gemm(m, n, k, bias, dtype):
-    g = _gen(31 + m + n + k)
-    x = _activation(m, k, dtype, g)
-    w_q, w_s = nu.quantize_weight(_varied(n, k, 128, g), "block")
-    b = torch.randn(n, generator=g) if bias else None
-    x_q, x_s = nu.quantize_activation(x, "group")
-    ref = _ref(x_q, x_s, GROUP, w_q, w_s, W_GROUP["block"], b)
-    w_q, w_s, x_d = w_q.to(DEV), w_s.to(DEV), x.to(DEV)
-    b = None if b is None else b.to(DEV)
-    y32 = tg.fused_group_gemm(x_d, w_q, w_s, b, out_dtype=FP32)
-    assert nu.rel_diff(y32.cpu(), ref) < 1e-9
-    y = tg.fused_group_gemm(x_d, w_q, w_s, b)
-    assert y.dtype == dtype
-    y_sep = tg.block_gemm(x_q.to(DEV), x_s.to(DEV), w_q, w_s, b, out_dtype=dtype)
-    assert nu.rel_diff(y.cpu(), y_sep.cpu()) < 1e-6
-    _check(y, ref)
-
-
-@pytest.mark.parametrize("kind", ["token-channel", "token-tensor", "group"])
-def test_fused_quantization_is_bit_exact(kind):
-    """Identity weight (scale 1): y = q * s exactly, so y reveals every in-kernel fp8 byte and scale."""
-    g = _gen(41)
-    k = 320
-    x = _activation(16, k, BF16, g)
-    x[0, :64] = torch.randn(64, generator=g) * 1e-3   # small values next to large ones (subnormals)
-    eye = torch.eye(k).to(nu.E4M3FN.dtype).to(DEV)
-    if kind == "group":
-        x_q, x_s = nu.quantize_activation(x, "group")
-        y = tg.fused_group_gemm(x.to(DEV), eye, torch.ones(3, 3, device=DEV), out_dtype=FP32)
-        want = nu.dequantize(x_q, x_s, GROUP)
-    else:
-        x_q, x_s = nu.quantize_activation(x, "token")
-        if kind == "token-channel":
-            y = tg.fused_token_gemm(x.to(DEV), eye, torch.ones(k, 1, device=DEV), out_dtype=FP32)
-        else:
-            y = tg.fused_token_gemm(x.to(DEV), eye, torch.ones((), device=DEV), scheme="tensor",
-                                    out_dtype=FP32)
-        want = nu.dequantize(x_q, x_s, TOKEN)
-    assert torch.equal(y.cpu(), want)
-
-
-# GPU only (selected by -m gpu): Triton's interpreter has no e4m3fn NaN (it casts NaN to 384 and
-# decodes 0x7F as 480), so this check cannot mean anything on the CPU.
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["token", "group"])
-def test_fused_nan_row_stays_nan(kind):
-    g = _gen(45)
-    x = _activation(3, 256, BF16, g)
-    x[1, 7] = float("nan")
-    scheme = "channel" if kind == "token" else "block"
-    w_q, w_s = (t.to(DEV) for t in nu.quantize_weight(_varied(64, 256, 128, g), scheme))
-    gemm = tg.fused_token_gemm if kind == "token" else tg.fused_group_gemm
-    y = gemm(x.to(DEV), w_q, w_s).cpu()
-    assert torch.isnan(y[1]).all()
-    assert torch.isfinite(y[[0, 2]]).all()
-
-
-def test_fused_keeps_leading_dims():
-    g = _gen(51)
-    x = _activation(4, 128, BF16, g).reshape(2, 2, 128)
-    w_q, w_s = nu.quantize_weight(_varied(64, 128, 1, g), "channel")
-    y = tg.fused_token_gemm(x.to(DEV), w_q.to(DEV), w_s.to(DEV))
-    assert y.shape == (2, 2, 64)
-    flat = tg.fused_token_gemm(x.reshape(4, 128).to(DEV), w_q.to(DEV), w_s.to(DEV))
-    assert torch.equal(y.reshape(4, 64), flat)
+def test_split_k_auto_choice(monkeypatch):
+    """Auto split: about four programs per SM, each split >= SPLIT_MIN_K (an H200's 132 SMs)."""
+    monkeypatch.setattr(tg, "_sm_count", lambda device: 132)
+    cfg, cuda = dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=0), torch.device("cuda")
+    assert tg._split_k(cfg, 1, 4096, 4096, cuda) == 5           # 128 tiles -> 528 programs
+    assert tg._split_k(cfg, 16, 4096, 14336, cuda) == 5
+    assert tg._split_k(cfg, 1, 28672, 4096, cuda) == 1          # 896 tiles are enough
+    assert tg._split_k(cfg, 1, 12288, 4096, cuda) == 2          # 384 tiles, two splits
+    assert tg._split_k(cfg, 1, 64, 1024, cuda) == 2             # capped by K // 512
+    assert tg._split_k(dict(cfg, SPLIT_K=7), 1, 64, 1024, cuda) == 7
+    assert tg._k_per_split(4096, 3, 128) == 1408 and tg._k_per_split(640, 5, 128) == 128
 
 
 # ---------------------------------------------------------------------------------------------------

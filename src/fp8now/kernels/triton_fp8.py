@@ -1,11 +1,14 @@
-"""The `triton` backend (sm_89+): fused Triton activation quantization in front of the fastest GEMM.
+"""The `triton` backend (sm_89+): Triton activation quantization in front of the fastest GEMM.
 
 Per call, by M (the thresholds are the dispatch data, measured on the H200, BENCHMARKS.md):
-- tensor / channel: M <= FUSED_MAX_M: one Triton launch that quantizes per token inside the GEMM;
-  larger M: the Triton per-token quantizer, then cuBLAS `_scaled_mm` rowwise.
-- block: M <= FUSED_MAX_M: one Triton launch quantizing 1x128 groups inside the block GEMM;
-  larger M: the Triton group quantizer, then torch's blockwise `scaled_mm` (column-major scales)
-  where `BLOCK_GEMM` says so and cuBLAS takes the shape, else the Triton block GEMM.
+- tensor / channel: the Triton per-token quantizer, then for M <= TRITON_MAX_M["rowwise"] the Triton
+  rowwise GEMM (split-K over the SMs), for larger M cuBLAS `_scaled_mm` rowwise.
+- block: the Triton 1x128 group quantizer, then for M <= TRITON_MAX_M["block"] the Triton block GEMM
+  (split-K), for larger M torch's blockwise `scaled_mm` (column-major scales) where `BLOCK_GEMM`
+  says so and cuBLAS takes the shape, else the Triton block GEMM.
+The thresholds come from CUDA-graph timings (GPU time, no host overhead) of both paths at M = 16, 32
+and 64 over the seven benchmark shapes (benchmarks/tune_decode.py): the Triton rowwise GEMM beat cuBLAS
+on 20 of 21 rows; the Triton block GEMM won at M <= 32 but not reliably at 64.
 - batch_invariant: Triton quantizer + Triton GEMM with one fixed configuration for every M.
 All of it is launches only: no host synchronization, so it captures in CUDA graphs.
 """
@@ -17,13 +20,13 @@ import torch
 from ..config import Scheme
 from . import torch_mm, triton_gemm, triton_quant
 
-FUSED_MAX_M = 16        # at or below: the single-launch fused kernels
-BLOCK_GEMM = "torch"    # "torch" (blockwise F.scaled_mm) or "triton" for M > FUSED_MAX_M
+TRITON_MAX_M = {"rowwise": 64, "block": 32}   # at or below: the Triton GEMMs (split-K for decode)
+BLOCK_GEMM = "torch"    # "torch" (blockwise F.scaled_mm) or "triton" above TRITON_MAX_M["block"]
 
 
 def available(device: torch.device, scheme: Scheme, act_kind: str, n: int, k: int,
               batch_invariant: bool = False) -> str | None:
-    """None if the fused Triton path can run this layer, else why not."""
+    """None if the Triton path can run this layer, else why not."""
     for why in (triton_quant.available(device), triton_gemm.available(device)):
         if why is not None:
             return why
@@ -46,9 +49,7 @@ def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torc
         if batch_invariant:
             x_q, x_s = triton_quant.quantize_act_group(x)
             return triton_gemm.block_gemm(x_q, x_s, w_q, w_scale, bias, x.dtype, batch_invariant=True)
-        if m <= FUSED_MAX_M:
-            return triton_gemm.fused_group_gemm(x, w_q, w_scale, bias, out_dtype=x.dtype)
-        if BLOCK_GEMM == "torch" and torch_mm.blockwise_unfit(x.shape[1]) is None:
+        if m > TRITON_MAX_M["block"] and BLOCK_GEMM == "torch" and torch_mm.blockwise_unfit(x.shape[1]) is None:
             x_q, x_s = triton_quant.quantize_act_group(x, col_major=True)
             return torch_mm.blockwise_mm(x_q, x_s, w_q, w_scale, bias, x.dtype)
         x_q, x_s = triton_quant.quantize_act_group(x)
@@ -56,7 +57,7 @@ def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torc
     if batch_invariant:
         x_q, x_s = triton_quant.quantize_act_token(x)
         return triton_gemm.rowwise_gemm(x_q, x_s, w_q, w_scale, bias, x.dtype, batch_invariant=True)
-    if m <= FUSED_MAX_M:
-        return triton_gemm.fused_token_gemm(x, w_q, w_scale, bias, scheme=scheme.value, out_dtype=x.dtype)
     x_q, x_s = triton_quant.quantize_act_token(x)
+    if m <= TRITON_MAX_M["rowwise"]:
+        return triton_gemm.rowwise_gemm(x_q, x_s, w_q, w_scale, bias, x.dtype)
     return torch_mm.rowwise_mm(x_q, x_s, w_q, w_scale, bias, x.dtype)

@@ -1,4 +1,4 @@
-"""Triton FP8 GEMMs: block-scaled, row-scaled, fused-quantization decode kernels, and weight-only W8A16.
+"""Triton FP8 GEMMs: block-scaled, row-scaled (both with split-K for decode), and weight-only W8A16.
 
 Conventions (SPEC §3, §4): weights `w_q [N, K]` float8_e4m3fn row-major (like nn.Linear), activations
 `x [M, K]`, `y = x @ W.T (+ bias)`. A scale is the dequantization multiplier. Every kernel accumulates
@@ -7,20 +7,19 @@ in float32, applies the scales in float32, adds the bias in float32 and casts on
 Kernels and their wrappers (each wrapper: check -> allocate -> launch; no host sync, no env lookups):
 - `block_gemm`: 1x128 activation groups x 128x128 weight tiles, the scale product applied per K-block.
 - `rowwise_gemm`: per-token ([M, 1] or 0-d) x per-channel ([N, 1] or 0-d) scales, applied once after K.
-- `fused_token_gemm` / `fused_group_gemm`: for decode (small M) - one launch that quantizes the bf16/fp16
-  activation inside the kernel (bit-identical to `numerics.quantize_activation`) and runs the FP8 GEMM.
 - `w8a16_gemm`: fp8 weights dequantized in-kernel, bf16/fp16 tensor-core dot (GPUs without FP8 MMA).
-With `batch_invariant=True` (SPEC §8) a GEMM uses one fixed configuration whatever M, and no kernel here
-ever splits K, so row m of the output depends only on row m of the input.
-
-Under TRITON_INTERPRET=1 (CPU tensors) Triton's fp32 -> fp8 cast is wrong when rounding carries into the
-next binade (SPEC §2), so the in-kernel quantizers round to the e4m3 grid in float32 first (exact) when the
-tensors live on the CPU; on a GPU the hardware conversion (round to nearest even) is used directly.
+Decode-sized M (few output tiles) splits K over SPLIT_K programs per tile: each writes its float32
+partial sum to a workspace, and a second small kernel adds the partials in a fixed order, applies the
+row scales and the bias, and casts (deterministic; no atomics). With `batch_invariant=True` (SPEC §8)
+a GEMM uses one fixed configuration whatever M and never splits K, so row m of the output depends
+only on row m of the input.
 """
+
+import functools
 
 import torch
 
-from ..numerics import E4M3FN, GROUP_AMAX_FLOOR
+from ..numerics import E4M3FN
 
 from .triton_support import device_reason
 
@@ -43,12 +42,10 @@ except ImportError as _e:  # keep the module importable so available() can say w
     triton = tl = _Missing()
 
 FP8_DTYPE = E4M3FN.dtype
-FMAX = E4M3FN.fmax                 # 448.0, the clamp range
-ROW_MIN_SCALE = E4M3FN.min_scale   # 1 / (448 * 512): per-token scale floor
 SCALE_BLOCK = 128                  # weight tiles 128x128, activation groups 1x128
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_CONFIG_KEYS = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"}
+_CONFIG_KEYS = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K"}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -113,6 +110,8 @@ def _merge_config(default: dict, override: dict | None, *, block_k: int | None =
     if block_k is not None and cfg["BLOCK_K"] != block_k:
         raise ValueError(f"this kernel needs BLOCK_K={block_k} (one scale group per K step), "
                          f"got {cfg['BLOCK_K']}")
+    if cfg.get("SPLIT_K", 0) < 0 or not isinstance(cfg.get("SPLIT_K", 0), int):
+        raise ValueError(f"config SPLIT_K must be an int >= 1 (or 0: choose from the shape), got {cfg['SPLIT_K']}")
     if cfg["GROUP_M"] < 1 or cfg["num_warps"] < 1 or cfg["num_stages"] < 1:
         raise ValueError(f"config GROUP_M, num_warps, num_stages must be >= 1: {cfg}")
     return cfg
@@ -196,64 +195,112 @@ def _grouped_pid(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     return pid_m, pid_n
 
 
-@triton.jit
-def _to_e4m3(v, EXACT: tl.constexpr):
-    """fp32 already clamped to +-448 -> float8e4nv, round to nearest even.
+# ----------------------------------------------------------------------------------------------------
+# Split-K (decode) and the partial-sum reduction
+# ----------------------------------------------------------------------------------------------------
 
-    With EXACT the value is first rounded onto the e4m3 grid in float32 (adding and subtracting
-    2^(e+20), where 2^e is the value's binade, at least 2^-6 for subnormals, leaves 3 mantissa bits);
-    the cast of a representable value is then exact even in Triton's interpreter.
-    """
-    if EXACT:
-        binade = tl.maximum(v.to(tl.int32, bitcast=True) & 0x7F800000, 121 << 23)
-        magic = (binade + (20 << 23)).to(tl.float32, bitcast=True)
-        r = (tl.abs(v) + magic) - magic
-        v = tl.where(v < 0, -r, r)
-    return v.to(tl.float8e4nv)
+SPLIT_MIN_K = 512   # every split covers at least this much of K
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: small but > 1, so tests exercise the split path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _split_k(cfg: dict, m: int, n: int, k: int, device: torch.device) -> int:
+    """Programs per output tile along K: the config's SPLIT_K, or (0 = auto) enough for about four
+    programs per SM when the tiles alone are fewer, each split at least SPLIT_MIN_K long (H200:
+    benchmarks/tune_decode.py; decode GEMMs are memory-bound and need many loads in flight)."""
+    split = cfg.get("SPLIT_K", 0)
+    if split:
+        return split
+    tiles = _cdiv(m, cfg["BLOCK_M"]) * _cdiv(n, cfg["BLOCK_N"])
+    want = _cdiv(4 * _sm_count(device), tiles)
+    return max(1, min(want, k // SPLIT_MIN_K))
+
+
+def _k_per_split(k: int, split: int, block_k: int) -> int:
+    """K elements per split, a multiple of BLOCK_K (so split edges fall on 128-wide scale groups)."""
+    return _cdiv(_cdiv(k, split), block_k) * block_k
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_reduce_kernel(p_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, M, N, stride_xs, stride_ws,
+                         stride_ym, stride_yn, SPLITS: tl.constexpr, SCALED: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """y = (sum of the SPLITS partials [SPLITS, M, N], in order) * x_s[m] * w_s[n] + bias, cast."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in tl.static_range(SPLITS):
+        acc += tl.load(p_ptr + i * M * N + offs, mask=mask, other=0.0)
+    m = offs // N
+    n = offs % N
+    if SCALED:
+        acc = acc * (tl.load(xs_ptr + m * stride_xs, mask=mask, other=0.0)
+                     * tl.load(ws_ptr + n * stride_ws, mask=mask, other=0.0))
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + n * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _reduce_splits(part: torch.Tensor, x_s, sx: int, w_s, sw: int, bias, y: torch.Tensor,
+                   scaled: bool) -> None:
+    splits, m, n = part.shape
+    block = 1024
+    _split_reduce_kernel[(_cdiv(m * n, block),)](
+        part, x_s, w_s, bias if bias is not None else part, y, m, n, sx, sw, y.stride(0), y.stride(1),
+        SPLITS=splits, SCALED=scaled, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
 
 
 # ----------------------------------------------------------------------------------------------------
 # 1. Block-scaled FP8 GEMM: 1x128 activation groups x 128x128 weight tiles
 # ----------------------------------------------------------------------------------------------------
 
-# M bucket -> config, tuned for Hopper (H100/H200): small tiles and more programs for decode-sized M,
-# 128x128 tiles with 8 warps for prefill. BLOCK_K is the scale group (128).
+# M bucket -> config, tuned for Hopper (H100/H200): 16-row tiles and split-K (auto) for decode-sized M
+# (BLOCK_N=64 won on 12 of 14 H200 decode rows), 128x128 tiles with 8 warps for prefill. BLOCK_K is the
+# scale group (128).
 _BLOCK_TABLE = (
-    (16, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)),
-    (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4)),
-    (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)),
-    (None, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)),
+    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=0)),
+    (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4, SPLIT_K=0)),
+    (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, SPLIT_K=1)),
+    (None, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3, SPLIT_K=1)),
 )
 # One configuration for every M (SPEC §8): 64-row tiles keep wgmma usable, 64 columns keep enough
-# programs for decode-sized batches.
-_INVARIANT_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+# programs for decode-sized batches, and K is never split.
+_INVARIANT_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4,
+                         SPLIT_K=1)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr,
-                       M, N, K,
+                       M, N, K, K_SPLIT,
                        stride_xm, stride_xk, stride_xsm, stride_xsk,
                        stride_wn, stride_wk, stride_wsn, stride_wsk,
                        stride_ym, stride_yn,
-                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid_m, pid_n = _grouped_pid(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    k_begin = tl.program_id(1) * K_SPLIT
+    k_end = tl.minimum(K, k_begin + K_SPLIT)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     # Out-of-range rows/columns wrap onto valid ones (loads stay unmasked in M/N; the store masks).
     rm = (offs_m % M).to(tl.int64)
     rn = (offs_n % N).to(tl.int64)
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :] * stride_xk        # [BM, BK]
-    w_ptrs = w_ptr + offs_k[:, None] * stride_wk + rn[None, :] * stride_wn        # [BK, BN], K-major
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_begin + offs_k[None, :]) * stride_xk  # [BM, BK]
+    w_ptrs = w_ptr + (k_begin + offs_k[:, None]) * stride_wk + rn[None, :] * stride_wn  # [BK, BN]
     xs_ptrs = xs_ptr + rm * stride_xsm
     if 128 % BLOCK_N == 0:  # the tile lies in one weight-scale row: one scalar per K-block
         ws_ptrs = ws_ptr + ((pid_n * BLOCK_N) // 128) * stride_wsn
     else:                   # wider tiles: one scale per column (n // 128)
         ws_ptrs = ws_ptr + (rn // 128) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_left = K - k0
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k_left = k_end - k0
         a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         sa = tl.load(xs_ptrs + (k0 // 128) * stride_xsk)
@@ -265,11 +312,16 @@ def _block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr,
             acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n.to(tl.int64)[None, :] * stride_yn
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    if PARTIAL:  # split-K: this split's scaled partial sum into the float32 workspace [SPLITS, M, N]
+        p_ptrs = (y_ptr + tl.program_id(1).to(tl.int64) * M * N + offs_m.to(tl.int64)[:, None] * N
+                  + offs_n.to(tl.int64)[None, :])
+        tl.store(p_ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n.to(tl.int64)[None, :] * stride_yn
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def block_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
@@ -279,8 +331,8 @@ def block_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: tor
 
     x_q [M, K] fp8, x_s [M, ceil(K/128)] float32 (any strides, e.g. column-major), w_q [N, K] fp8,
     w_s [ceil(N/128), ceil(K/128)] float32. `config` (BLOCK_M, BLOCK_N, GROUP_M, num_warps,
-    num_stages; BLOCK_K must stay 128) overrides the M-bucket table; `batch_invariant` uses one
-    fixed configuration instead of the table (a given `config` still wins).
+    num_stages, SPLIT_K; BLOCK_K must stay 128) overrides the M-bucket table; `batch_invariant` uses
+    one fixed configuration instead of the table (a given `config` still wins).
     """
     _require_triton()
     M, N, K = _check_fp8_operands(x_q, w_q)
@@ -293,17 +345,22 @@ def block_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: tor
     y = torch.empty((M, N), dtype=out_dtype, device=x_q.device)
     if M == 0 or N == 0:
         return y
-    grid = (_cdiv(M, cfg["BLOCK_M"]) * _cdiv(N, cfg["BLOCK_N"]),)
+    k_split = _k_per_split(K, _split_k(cfg, M, N, K, x_q.device), cfg["BLOCK_K"])
+    splits = _cdiv(K, k_split)
+    out = y if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x_q.device)
+    grid = (_cdiv(M, cfg["BLOCK_M"]) * _cdiv(N, cfg["BLOCK_N"]), splits)
     # Without bias, b_ptr gets a read-only stand-in (never y: no argument aliases the written output).
     _block_gemm_kernel[grid](
-        x_q, x_s, w_q, w_s, bias if bias is not None else w_s, y,
-        M, N, K,
+        x_q, x_s, w_q, w_s, bias if bias is not None else w_s, out,
+        M, N, K, k_split,
         x_q.stride(0), x_q.stride(1), x_s.stride(0), x_s.stride(1),
         w_q.stride(0), w_q.stride(1), w_s.stride(0), w_s.stride(1),
         y.stride(0), y.stride(1),
-        HAS_BIAS=bias is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if splits > 1:
+        _reduce_splits(out, w_s, 0, w_s, 0, bias, y, scaled=False)
     return y
 
 
@@ -316,38 +373,46 @@ _ROWWISE_INVARIANT_CONFIG = _INVARIANT_CONFIG
 
 
 @triton.jit(do_not_specialize=["M"])
-def _rowwise_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr,
-                         M, N, K,
+def _rowwise_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, one,
+                         M, N, K, K_SPLIT,
                          stride_xm, stride_xk, stride_xs, stride_wn, stride_wk, stride_ws,
                          stride_ym, stride_yn,
-                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid_m, pid_n = _grouped_pid(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    k_begin = tl.program_id(1) * K_SPLIT
+    k_end = tl.minimum(K, k_begin + K_SPLIT)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rm = (offs_m % M).to(tl.int64)
     rn = (offs_n % N).to(tl.int64)
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :] * stride_xk        # [BM, BK]
-    w_ptrs = w_ptr + offs_k[:, None] * stride_wk + rn[None, :] * stride_wn        # [BK, BN], K-major
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_begin + offs_k[None, :]) * stride_xk  # [BM, BK]
+    w_ptrs = w_ptr + (k_begin + offs_k[:, None]) * stride_wk + rn[None, :] * stride_wn  # [BK, BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_left = K - k0
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k_left = k_end - k0
         a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        # separate add: each K-block's product is promoted to a full fp32 accumulator (Hopper's FP8
-        # MMA accumulates with reduced precision inside one instruction chain)
-        acc += tl.dot(a, b)
+        # Each K-block's product is promoted into a full float32 accumulator: Hopper's FP8 MMA keeps
+        # fewer bits while it accumulates, and `acc += dot` would be folded into the MMA's own
+        # accumulator. Multiplying by the run-time 1.0 `one` keeps the two apart.
+        acc += tl.dot(a, b) * tl.cast(one, tl.float32)  # (torch.compile passes the float as fp64)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
-    sa = tl.load(xs_ptr + rm * stride_xs)
-    sb = tl.load(ws_ptr + rn * stride_ws)
-    acc = acc * (sa[:, None] * sb[None, :])
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n.to(tl.int64)[None, :] * stride_yn
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    if PARTIAL:  # split-K: the unscaled partial sum into the float32 workspace [SPLITS, M, N]
+        p_ptrs = (y_ptr + tl.program_id(1).to(tl.int64) * M * N + offs_m.to(tl.int64)[:, None] * N
+                  + offs_n.to(tl.int64)[None, :])
+        tl.store(p_ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    else:
+        sa = tl.load(xs_ptr + rm * stride_xs)
+        sb = tl.load(ws_ptr + rn * stride_ws)
+        acc = acc * (sa[:, None] * sb[None, :])
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n.to(tl.int64)[None, :] * stride_yn
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def rowwise_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
@@ -369,206 +434,25 @@ def rowwise_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: t
     y = torch.empty((M, N), dtype=out_dtype, device=x_q.device)
     if M == 0 or N == 0:
         return y
-    grid = (_cdiv(M, cfg["BLOCK_M"]) * _cdiv(N, cfg["BLOCK_N"]),)
+    k_split = _k_per_split(K, _split_k(cfg, M, N, K, x_q.device), cfg["BLOCK_K"])
+    splits = _cdiv(K, k_split)
+    out = y if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x_q.device)
+    grid = (_cdiv(M, cfg["BLOCK_M"]) * _cdiv(N, cfg["BLOCK_N"]), splits)
     _rowwise_gemm_kernel[grid](
-        x_q, x_s, w_q, w_s, bias if bias is not None else w_s, y,
-        M, N, K,
+        x_q, x_s, w_q, w_s, bias if bias is not None else w_s, out, 1.0,
+        M, N, K, k_split,
         x_q.stride(0), x_q.stride(1), sx, w_q.stride(0), w_q.stride(1), sw,
         y.stride(0), y.stride(1),
-        HAS_BIAS=bias is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if splits > 1:
+        _reduce_splits(out, x_s, sx, w_s, sw, bias, y, scaled=True)
     return y
 
 
 # ----------------------------------------------------------------------------------------------------
-# 3. Fused decode kernels: quantize the activation in-kernel, then the FP8 GEMM, in one launch
-# ----------------------------------------------------------------------------------------------------
-# Each program owns BLOCK_N output columns for BLOCK_M (16) rows and loops over all of K: the weight
-# slice is read once, no split-K, no atomics. The product is computed transposed (W tile as the
-# left operand, acc [BLOCK_N, BLOCK_M]) so the weight takes the MMA's wide side and the few tokens
-# its narrow side: BLOCK_N=64 compiles to Hopper wgmma m64n16k32 (e4m3); BLOCK_N=32 (more programs
-# for N <= 8192) to mma.sync with the fp8 operands widened to fp16 in registers (exact).
-# Program axis 0 walks the M tiles, so tiles sharing a weight slice run together.
-# The configuration depends on N only, so these kernels are batch-invariant too.
-
-def _fused_config(n: int, override: dict | None) -> dict:
-    # >= ~128 programs for N >= 4096 on H200's 132 SMs; wider tiles once N gives enough programs.
-    block_n = 32 if n <= 8192 else 64
-    base = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
-    return _merge_config(base, override)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _fused_token_gemm_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr,
-                             M, N, K,
-                             stride_xm, stride_xk, stride_wn, stride_wk, stride_ws,
-                             stride_ym, stride_yn,
-                             FMAX: tl.constexpr, MIN_SCALE: tl.constexpr, EXACT_CAST: tl.constexpr,
-                             HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    rm = (offs_m % M).to(tl.int64)
-    rn = (offs_n % N).to(tl.int64)
-    xt_base = x_ptr + rm[None, :] * stride_xm + offs_k[:, None] * stride_xk      # x^T tile [BK, BM]
-    # pass 1: per-token amax over all of K -> s = max(amax / FMAX, MIN_SCALE) (IEEE division)
-    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        xt = tl.load(xt_base + k0 * stride_xk,
-                     mask=offs_k[:, None] < K - k0, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(xt), axis=0))
-    s = tl.maximum(tl.math.div_rn(amax, FMAX), MIN_SCALE)
-    # pass 2: quantize x^T tiles on the fly (q = fp8(clamp(x / s))) and multiply with the weight.
-    # The clamp keeps NaN (a NaN in a row makes that row's outputs NaN, as the torch reference does).
-    w_ptrs = w_ptr + rn[:, None] * stride_wn + offs_k[None, :] * stride_wk          # [BN, BK], K-major
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_left = K - k0
-        xt = tl.load(xt_base + k0 * stride_xk,
-                     mask=offs_k[:, None] < k_left, other=0.0).to(tl.float32)
-        q = tl.math.div_rn(xt, s[None, :])
-        q = _to_e4m3(tl.clamp(q, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL), EXACT_CAST)
-        w = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        acc += tl.dot(w, q)
-        w_ptrs += BLOCK_K * stride_wk
-    sw = tl.load(ws_ptr + rn * stride_ws)
-    acc = acc * (sw[:, None] * s[None, :])
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n.to(tl.int64)[:, None] * stride_yn
-    mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def fused_token_gemm(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
-                     bias: torch.Tensor | None = None, *, scheme: str = "channel",
-                     out_dtype: torch.dtype | None = None, config: dict | None = None,
-                     batch_invariant: bool = False) -> torch.Tensor:
-    """Per-token activation quantization fused with the FP8 GEMM, for small M (decode, M <= 64).
-
-    x [..., K] bf16/fp16/fp32 (unquantized); w_q [N, K] fp8; w_s [N, 1] for scheme "channel", 0-d
-    (or [1]) for "tensor". The FP8 operands equal `quantize_activation(x, "token")` exactly, so the
-    result is that of `rowwise_gemm` on them. Returns [..., N] in `out_dtype` (default x.dtype).
-    Larger M works but re-reads the weight once per 16 rows. The configuration depends on N only,
-    so the kernel is always batch-invariant (`batch_invariant` is accepted for a uniform call).
-    """
-    _require_triton()
-    if scheme not in ("channel", "tensor"):
-        raise ValueError(f"fused_token_gemm scheme must be 'channel' or 'tensor', got {scheme!r}")
-    if w_q.dim() != 2 or w_q.dtype != FP8_DTYPE:
-        raise ValueError(f"w_q must be a 2-D {FP8_DTYPE} tensor, got {w_q.dtype} {tuple(w_q.shape)}")
-    N, K = w_q.shape
-    x2 = _flatten_act(x, K)
-    if x2.device != w_q.device:
-        raise ValueError(f"x on {x2.device} but w_q on {w_q.device}")
-    if scheme == "tensor" and w_s.numel() != 1:
-        raise ValueError(f"scheme 'tensor' needs a single weight scale, got shape {tuple(w_s.shape)}")
-    if scheme == "channel" and w_s.dim() != 2:
-        raise ValueError(f"scheme 'channel' needs w_s [{N}, 1], got shape {tuple(w_s.shape)}")
-    sw = _vector_scale(w_s, N, "w_s", w_q.device)
-    bias = _check_bias(bias, N, w_q.device)
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    _check_out_dtype(out_dtype)
-    cfg = _fused_config(N, config)
-    M = x2.shape[0]
-    y = torch.empty((M, N), dtype=out_dtype, device=x2.device)
-    if M > 0 and N > 0:
-        grid = (_cdiv(M, cfg["BLOCK_M"]), _cdiv(N, cfg["BLOCK_N"]))
-        _fused_token_gemm_kernel[grid](
-            x2, w_q, w_s, bias if bias is not None else w_s, y,
-            M, N, K,
-            x2.stride(0), x2.stride(1), w_q.stride(0), w_q.stride(1), sw,
-            y.stride(0), y.stride(1),
-            FMAX=FMAX, MIN_SCALE=ROW_MIN_SCALE, EXACT_CAST=x2.device.type == "cpu",
-            HAS_BIAS=bias is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-            BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return y.reshape(*x.shape[:-1], N)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _fused_group_gemm_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr,
-                             M, N, K,
-                             stride_xm, stride_xk, stride_wn, stride_wk, stride_wsn, stride_wsk,
-                             stride_ym, stride_yn,
-                             FMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, EXACT_CAST: tl.constexpr,
-                             HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    rm = (offs_m % M).to(tl.int64)
-    rn = (offs_n % N).to(tl.int64)
-    xt_ptrs = x_ptr + rm[None, :] * stride_xm + offs_k[:, None] * stride_xk      # x^T tile [BK, BM]
-    w_ptrs = w_ptr + rn[:, None] * stride_wn + offs_k[None, :] * stride_wk       # [BN, BK], K-major
-    if 128 % BLOCK_N == 0:  # the tile lies in one weight-scale row: one scalar per K-block
-        ws_ptrs = ws_ptr + ((tl.program_id(1) * BLOCK_N) // 128) * stride_wsn
-    else:
-        ws_ptrs = ws_ptr + (rn // 128) * stride_wsn
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        # one K-block is one 1x128 group: s = max(amax, 1e-10) / FMAX, q = fp8(clamp(x / s))
-        k_left = K - k0
-        xt = tl.load(xt_ptrs, mask=offs_k[:, None] < k_left, other=0.0).to(tl.float32)
-        s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xt), axis=0), AMAX_FLOOR), FMAX)
-        q = tl.math.div_rn(xt, s[None, :])
-        q = _to_e4m3(tl.clamp(q, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL), EXACT_CAST)
-        w = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        sw = tl.load(ws_ptrs + (k0 // 128) * stride_wsk)
-        if 128 % BLOCK_N == 0:
-            acc += tl.dot(w, q) * (sw * s)[None, :]
-        else:
-            acc += tl.dot(w, q) * (sw[:, None] * s[None, :])
-        xt_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n.to(tl.int64)[:, None] * stride_yn
-    mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def fused_group_gemm(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
-                     bias: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None,
-                     config: dict | None = None, batch_invariant: bool = False) -> torch.Tensor:
-    """1x128-group activation quantization fused with the block-scaled FP8 GEMM (small M, decode).
-
-    x [..., K] bf16/fp16/fp32; w_q [N, K] fp8; w_s [ceil(N/128), ceil(K/128)] float32. The FP8
-    operands equal `quantize_activation(x, "group")` exactly. Returns [..., N] in `out_dtype`
-    (default x.dtype). Always batch-invariant, like `fused_token_gemm`.
-    """
-    _require_triton()
-    if w_q.dim() != 2 or w_q.dtype != FP8_DTYPE:
-        raise ValueError(f"w_q must be a 2-D {FP8_DTYPE} tensor, got {w_q.dtype} {tuple(w_q.shape)}")
-    N, K = w_q.shape
-    x2 = _flatten_act(x, K)
-    if x2.device != w_q.device:
-        raise ValueError(f"x on {x2.device} but w_q on {w_q.device}")
-    _check_block_scale(w_s, N, K, "w_s", w_q.device, SCALE_BLOCK)
-    bias = _check_bias(bias, N, w_q.device)
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    _check_out_dtype(out_dtype)
-    cfg = _fused_config(N, config)
-    if cfg["BLOCK_K"] != SCALE_BLOCK:
-        raise ValueError(f"fused_group_gemm needs BLOCK_K={SCALE_BLOCK} (one group per K step)")
-    M = x2.shape[0]
-    y = torch.empty((M, N), dtype=out_dtype, device=x2.device)
-    if M > 0 and N > 0:
-        grid = (_cdiv(M, cfg["BLOCK_M"]), _cdiv(N, cfg["BLOCK_N"]))
-        _fused_group_gemm_kernel[grid](
-            x2, w_q, w_s, bias if bias is not None else w_s, y,
-            M, N, K,
-            x2.stride(0), x2.stride(1), w_q.stride(0), w_q.stride(1), w_s.stride(0), w_s.stride(1),
-            y.stride(0), y.stride(1),
-            FMAX=FMAX, AMAX_FLOOR=GROUP_AMAX_FLOOR, EXACT_CAST=x2.device.type == "cpu",
-            HAS_BIAS=bias is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-            BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return y.reshape(*x.shape[:-1], N)
-
-
-# ----------------------------------------------------------------------------------------------------
-# 4. Weight-only FP8 (W8A16) for GPUs without FP8 tensor cores (sm_80 / sm_86)
+# 3. Weight-only FP8 (W8A16) for GPUs without FP8 tensor cores (sm_80 / sm_86)
 # ----------------------------------------------------------------------------------------------------
 # The fp8 bytes are decoded with integer ops (e4m3fn -> fp16 bit pattern, times 2^8 folded into the
 # scale), so no fp8 type support is needed from the compiler or the GPU.
