@@ -33,7 +33,7 @@ def main():
         "F.linear bf16": lambda: torch.nn.functional.linear(x, lin.weight),
         "empty((1,4096))": lambda: torch.empty((m, n), device="cuda", dtype=torch.bfloat16),
         "quantize_act_token": lambda: triton_quant.quantize_act_token(x),
-        "fused_token_gemm": lambda: triton_gemm.fused_token_gemm(x, w, s, None, scheme="channel"),
+        "rowwise_gemm (split-K)": lambda: triton_gemm.rowwise_gemm(*triton_quant.quantize_act_token(x), w, s),
         "triton_fp8.linear": lambda: triton_fp8.linear(x, w, s, None, layer.scheme, "token"),
         "Fp8Linear(x)": lambda: layer(x),
     }
