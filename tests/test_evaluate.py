@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,9 @@ def test_all_schemes_give_sane_numbers_and_layer_rows(tiny_dir, text, tmp_path):
     png = plot_layer_errors(res, tmp_path / "sub" / "sqnr.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in png.parent.iterdir()] == ["sqnr.png"]  # the temp file was renamed
+    mask = os.umask(0)
+    os.umask(mask)
+    assert png.stat().st_mode & 0o777 == 0o666 & ~mask  # an ordinary file, not mkstemp's 0600
 
 
 def test_identical_model_gives_zero_kl_and_full_agreement(tiny_dir, text):

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .config import Fp8Config, Scheme
+from .models import _umask
 
 # `--scheme all`: the three schemes, plus per-tensor weights with per-tensor activations, the
 # configuration users usually compare against.
@@ -271,6 +272,7 @@ def plot_layer_errors(results: dict, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it private; a plot is an ordinary file
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format="png", dpi=110)
         os.replace(tmp, path)
