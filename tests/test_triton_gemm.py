@@ -123,6 +123,9 @@ def test_block_gemm_rejects_bad_inputs():
         tg.block_gemm(x_q, x_s[:, :1], w_q, w_s)
     with pytest.raises(ValueError, match="unknown config"):
         tg.block_gemm(x_q, x_s, w_q, w_s, config=dict(BLOCK=64))
+    for bad in (-1, "2", 2.0):
+        with pytest.raises(ValueError, match="SPLIT_K"):
+            tg.block_gemm(x_q, x_s, w_q, w_s, config=dict(SPLIT_K=bad))
     with pytest.raises(TypeError):
         tg.block_gemm(x_q.float(), x_s, w_q, w_s)
 

@@ -110,7 +110,7 @@ def _merge_config(default: dict, override: dict | None, *, block_k: int | None =
     if block_k is not None and cfg["BLOCK_K"] != block_k:
         raise ValueError(f"this kernel needs BLOCK_K={block_k} (one scale group per K step), "
                          f"got {cfg['BLOCK_K']}")
-    if cfg.get("SPLIT_K", 0) < 0 or not isinstance(cfg.get("SPLIT_K", 0), int):
+    if not isinstance(cfg.get("SPLIT_K", 0), int) or cfg.get("SPLIT_K", 0) < 0:
         raise ValueError(f"config SPLIT_K must be an int >= 1 (or 0: choose from the shape), got {cfg['SPLIT_K']}")
     if cfg["GROUP_M"] < 1 or cfg["num_warps"] < 1 or cfg["num_stages"] < 1:
         raise ValueError(f"config GROUP_M, num_warps, num_stages must be >= 1: {cfg}")
@@ -226,6 +226,23 @@ def _k_per_split(k: int, split: int, block_k: int) -> int:
     return _cdiv(_cdiv(k, split), block_k) * block_k
 
 
+def _split_plan(cfg: dict, m: int, n: int, k: int, y: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """(K per split, number of splits, where the GEMM kernel writes): `y` itself for one split,
+    else a float32 workspace [splits, M, N] of partial sums for `_reduce_splits`."""
+    k_split = _k_per_split(k, _split_k(cfg, m, n, k, y.device), cfg["BLOCK_K"])
+    splits = _cdiv(k, k_split)
+    out = y if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=y.device)
+    return k_split, splits, out
+
+
+@triton.jit
+def _store_partial(p_ptr, acc, offs_m, offs_n, M, N):
+    """This program's float32 partial sum into slice program_id(1) of the workspace [SPLITS, M, N]."""
+    p_ptrs = (p_ptr + tl.program_id(1).to(tl.int64) * M * N + offs_m.to(tl.int64)[:, None] * N
+              + offs_n.to(tl.int64)[None, :])
+    tl.store(p_ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
 @triton.jit(do_not_specialize=["M"])
 def _split_reduce_kernel(p_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, M, N, stride_xs, stride_ws,
                          stride_ym, stride_yn, SPLITS: tl.constexpr, SCALED: tl.constexpr,
@@ -312,10 +329,8 @@ def _block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr,
             acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
-    if PARTIAL:  # split-K: this split's scaled partial sum into the float32 workspace [SPLITS, M, N]
-        p_ptrs = (y_ptr + tl.program_id(1).to(tl.int64) * M * N + offs_m.to(tl.int64)[:, None] * N
-                  + offs_n.to(tl.int64)[None, :])
-        tl.store(p_ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    if PARTIAL:  # split-K: this split's scaled partial sum
+        _store_partial(y_ptr, acc, offs_m, offs_n, M, N)
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
@@ -345,9 +360,7 @@ def block_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: tor
     y = torch.empty((M, N), dtype=out_dtype, device=x_q.device)
     if M == 0 or N == 0:
         return y
-    k_split = _k_per_split(K, _split_k(cfg, M, N, K, x_q.device), cfg["BLOCK_K"])
-    splits = _cdiv(K, k_split)
-    out = y if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x_q.device)
+    k_split, splits, out = _split_plan(cfg, M, N, K, y)
     grid = (_cdiv(M, cfg["BLOCK_M"]) * _cdiv(N, cfg["BLOCK_N"]), splits)
     # Without bias, b_ptr gets a read-only stand-in (never y: no argument aliases the written output).
     _block_gemm_kernel[grid](
@@ -400,10 +413,8 @@ def _rowwise_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, one,
         acc += tl.dot(a, b) * tl.cast(one, tl.float32)  # (torch.compile passes the float as fp64)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
-    if PARTIAL:  # split-K: the unscaled partial sum into the float32 workspace [SPLITS, M, N]
-        p_ptrs = (y_ptr + tl.program_id(1).to(tl.int64) * M * N + offs_m.to(tl.int64)[:, None] * N
-                  + offs_n.to(tl.int64)[None, :])
-        tl.store(p_ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    if PARTIAL:  # split-K: the unscaled partial sum (the reduction applies the row scales)
+        _store_partial(y_ptr, acc, offs_m, offs_n, M, N)
     else:
         sa = tl.load(xs_ptr + rm * stride_xs)
         sb = tl.load(ws_ptr + rn * stride_ws)
@@ -421,7 +432,8 @@ def rowwise_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: t
     """y [M, N] = (x_q @ w_q.T) * x_s[m] * w_s[n] (+ bias), the dot over all of K in float32.
 
     x_s: per-token [M, 1] (or [M]) or a single scale (0-d / [1]); w_s: per-channel [N, 1] (or [N])
-    or 0-d / [1]. `batch_invariant` uses one fixed configuration for every M; `config` overrides.
+    or 0-d / [1]. `batch_invariant` uses one fixed configuration for every M; `config` (BLOCK_M,
+    BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_K) overrides.
     """
     _require_triton()
     M, N, K = _check_fp8_operands(x_q, w_q)
@@ -434,9 +446,7 @@ def rowwise_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: t
     y = torch.empty((M, N), dtype=out_dtype, device=x_q.device)
     if M == 0 or N == 0:
         return y
-    k_split = _k_per_split(K, _split_k(cfg, M, N, K, x_q.device), cfg["BLOCK_K"])
-    splits = _cdiv(K, k_split)
-    out = y if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x_q.device)
+    k_split, splits, out = _split_plan(cfg, M, N, K, y)
     grid = (_cdiv(M, cfg["BLOCK_M"]) * _cdiv(N, cfg["BLOCK_N"]), splits)
     _rowwise_gemm_kernel[grid](
         x_q, x_s, w_q, w_s, bias if bias is not None else w_s, out, 1.0,
