@@ -66,16 +66,15 @@ def torchao_layers(lin: torch.nn.Linear) -> dict[str, torch.nn.Module]:
 
 
 def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=5, rep_ms=25,
-        with_torchao=True, with_compiled=True, with_graphs=True, dynamic_weights=False) -> list[dict]:
+        with_torchao=True, with_compiled=True, with_graphs=True) -> list[dict]:
     from fp8now import Fp8Config, Fp8Linear, Scheme
     from fp8now.numerics import quantize_activation, quantize_weight
     dev = "cuda"
     torch._dynamo.config.recompile_limit = 1024      # the compiled peers must not fall back to eager
     torch._dynamo.config.accumulated_recompile_limit = 4096
-    # The compiled peers: M is dynamic; the weight shapes are static. (dynamic_weights=True compiles once
-    # for every shape, but on the H200 it saved no time and made torchao-tensor-compiled 4.5x slower at
-    # M=16384, 2026-12-02: not a fair peer, so it is off.) A failed dynamic compile falls back to static.
-    torch._dynamo.config.force_parameter_static_shapes = not dynamic_weights
+    # The compiled peers: M is dynamic; the weight shapes stay static (torch's default). Dynamic weight
+    # shapes (one compile for all shapes) were tried on the H200, 2026-12-02: they saved no time and
+    # made torchao-tensor-compiled 4.5x slower at M=16384, an unfair peer.
     rows: list[dict] = []
     notes: list[str] = []
 
@@ -139,11 +138,6 @@ def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=5, rep_ms=25,
                         add(m, n, k, name, bench(lambda: mod(x), warmup_ms, rep_ms))
                 except Exception as e:
                     notes.append(f"{name} M={m} {n}x{k}: {type(e).__name__}: {str(e)[:200]}")
-                    if name in compiled and not torch._dynamo.config.force_parameter_static_shapes:
-                        notes.append("  -> recompiling the torchao peers with static weight shapes")
-                        torch._dynamo.config.force_parameter_static_shapes = True
-                        for cname in compiled:
-                            compiled[cname] = torch.compile(peers[cname[:-len("-compiled")]], dynamic=True)
         del layers, peers, compiled, lin_copies, fp8_copies
         torch.cuda.empty_cache()
         with open(out_path, "w") as f:  # after every shape: a run cut short keeps what it measured

@@ -16,7 +16,6 @@ from fp8now.loader import load
 from fp8now.models import default_model_dir
 
 
-
 def hf_model(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
 
