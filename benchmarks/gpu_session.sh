@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything on the H200. Usage (through the device tool):
-#   bash benchmarks/gpu_session.sh PHASES   with PHASES a comma list of: tune,profile,tests,core,quant,linear,quick,memory
+#   bash benchmarks/gpu_session.sh PHASES   with PHASES a comma list of: tune,decode,profile,tests,core,quant,linear,quick,memory
 # Results land in $OUT (JSON + logs); the short tables print last.
 set -uo pipefail
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
@@ -22,12 +22,16 @@ if has tune; then
   timeout 420 env PYTHONPATH=$PYTHONPATH:$PWD/benchmarks python3 benchmarks/tune_decode.py --out "$OUT" \
     --budget-s ${TUNE_BUDGET:-330} 2>&1 | tee "$OUT/tune_decode.log" | tail -80 || rc=1
 fi
+if has decode; then
+  timeout 300 env PYTHONPATH=$PYTHONPATH:$PWD/benchmarks python3 benchmarks/bench_decode.py --out "$OUT" \
+    ${DECODE_SHAPES:+--shapes $DECODE_SHAPES} 2>&1 | tee "$OUT/bench_decode.log" | tail -75 || rc=1
+fi
 if has profile; then
   timeout 120 python3 benchmarks/profile_launch.py 2>&1 | tee "$OUT/profile_launch.log" | head -12
 fi
 if has tests; then
   timeout 420 python3 -m pytest -q -x -p no:cacheprovider -m "gpu or triton" tests/test_gpu_layers.py \
-    tests/test_triton_quant.py tests/test_triton_gemm.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40 || rc=1
+    tests/test_triton_quant.py tests/test_triton_gemm.py tests/test_triton_decode.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40 || rc=1
 fi
 if has memory; then
   timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu -s tests/test_gpu_memory.py 2>&1 \

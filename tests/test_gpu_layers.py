@@ -57,6 +57,20 @@ def test_backend_vs_exact(backend, scheme, n, k, m):
 
 
 @pytest.mark.parametrize("scheme", list(Scheme))
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_decode_kernel_deterministic_and_counters_reset(scheme, m):
+    """The one-launch decode path (K split, last split reduces): exact, the same bytes on every call
+    although the splits arrive in any order, and the layer's counters zero again after each call."""
+    lin, layer = layer_for(4096, 4096, scheme, "triton")
+    x = varied((m, 4096), torch.float32, seed=m + 11, spread=3).cuda().to(torch.bfloat16)
+    first = check_exact(layer, lin, x)
+    for _ in range(50):
+        assert torch.equal(layer(x), first)
+    torch.cuda.synchronize()
+    assert layer.split_counters is not None and int(layer.split_counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("scheme", list(Scheme))
 def test_fp16_activations(scheme):
     lin, layer = layer_for(512, 1024, scheme, "triton", dtype=torch.float16)
     for m in (3, 100):  # magnitudes kept small enough that the fp16 outputs stay below 65504

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .config import Fp8Config, Scheme
-from .kernels import backend_module, pick_backend, quantize_weight
+from .kernels import backend_module, pick_backend, quantize_weight, split_counters
 from .numerics import E4M3FN
 
 _QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.int8,
@@ -69,6 +69,9 @@ class Fp8Linear(nn.Module):
                                          requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
                                   requires_grad=False) if bias else None)
+        # Scratch of the triton backend's one-launch decode kernel (zero between calls; not saved).
+        # One per layer: the same layer must not run on two streams at once.
+        self.register_buffer("split_counters", None, persistent=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: Fp8Config | None = None, name: str = ""
@@ -117,13 +120,16 @@ class Fp8Linear(nn.Module):
         self.backend = pick_backend(self.weight.device, self.scheme, self.act_kind, self.out_features,
                                     self.in_features, self.forced_backend, self.batch_invariant)
         self._impl = backend_module(self.backend)
+        self.split_counters = (split_counters(self.out_features, self.weight.device)
+                               if self.backend == "triton" else None)
         return self.backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._impl is None:
             raise RuntimeError(f"Fp8Linear {self.name or ''} has no weight yet: call load_(w) first")
         y = self._impl.linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale,
-                              self.bias, self.scheme, self.act_kind, self.batch_invariant)
+                              self.bias, self.scheme, self.act_kind, self.batch_invariant,
+                              self.split_counters)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _apply(self, fn, recurse=True):

@@ -2,7 +2,7 @@
 
 A backend is a module with `available(device, scheme, act_kind, n, k, batch_invariant) -> str | None`
 (None, or the reason it cannot run) and `linear(x, w_q, w_scale, bias, scheme, act_kind,
-batch_invariant) -> y`. Nothing falls back silently: the choice is stored on the layer and reported.
+batch_invariant, counters) -> y`. Nothing falls back silently: the choice is stored on the layer and reported.
 """
 
 from __future__ import annotations
@@ -83,10 +83,18 @@ def pick_backend(device: torch.device | str, scheme: Scheme, act_kind: str, n: i
 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-               scheme: Scheme, act_kind: str, backend: str, batch_invariant: bool = False
-               ) -> torch.Tensor:
-    """y [M, N] from x [M, K] through the named backend (quantizing x dynamically)."""
-    return backend_module(backend).linear(x, w_q, w_scale, bias, scheme, act_kind, batch_invariant)
+               scheme: Scheme, act_kind: str, backend: str, batch_invariant: bool = False,
+               counters: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] from x [M, K] through the named backend (quantizing x dynamically); `counters`:
+    the layer's zeroed int32 split-K counters (`triton_decode.counters_for`), used by `triton`."""
+    return backend_module(backend).linear(x, w_q, w_scale, bias, scheme, act_kind, batch_invariant,
+                                          counters)
+
+
+def split_counters(n: int, device: torch.device | str) -> torch.Tensor:
+    """Zeroed int32 per-tile counters for the decode kernel's in-kernel split-K reduction: enough for
+    any M <= 16 call on an `[N, K]` weight (tiles of >= 16 columns). A layer keeps one for its life."""
+    return torch.zeros(-(-n // 16), dtype=torch.int32, device=device)
 
 
 def quantize_weight(w: torch.Tensor, scheme: Scheme, name: str | None = None

@@ -57,8 +57,10 @@ def exact_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
 
 
 def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-           scheme: Scheme, act_kind: str, batch_invariant: bool = False) -> torch.Tensor:
-    """y [M, N] = quantize(x [M, K]) @ W.T + bias, computed exactly then rounded to float32, then x.dtype."""
+           scheme: Scheme, act_kind: str, batch_invariant: bool = False,
+           counters: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] = quantize(x [M, K]) @ W.T + bias, computed exactly then rounded to float32, then
+    x.dtype (`counters`: unused here)."""
     x_q, x_scale = quantize_activation(x, act_kind)
     y = exact_matmul(x_q, x_scale, w_q, w_scale, scheme).float()
     if bias is not None:

@@ -110,8 +110,9 @@ def blockwise_mm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_
 
 
 def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-           scheme: Scheme, act_kind: str, batch_invariant: bool = False) -> torch.Tensor:
-    """y [M, N] = quantize(x [M, K]) @ W.T + bias in x.dtype."""
+           scheme: Scheme, act_kind: str, batch_invariant: bool = False,
+           counters: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] = quantize(x [M, K]) @ W.T + bias in x.dtype. (`counters`: unused here.)"""
     x_q, x_scale = quantize_activation(x, act_kind)
     if scheme is Scheme.BLOCK:
         return blockwise_mm(x_q, x_scale, w_q, w_scale, bias, x.dtype)

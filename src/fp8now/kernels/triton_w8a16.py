@@ -22,6 +22,7 @@ def available(device: torch.device, scheme: Scheme, act_kind: str, n: int, k: in
 
 
 def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-           scheme: Scheme, act_kind: str, batch_invariant: bool = False) -> torch.Tensor:
-    """y [M, N] = x @ (W_q * s).T + bias, x left in bf16/fp16."""
+           scheme: Scheme, act_kind: str, batch_invariant: bool = False,
+           counters: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] = x @ (W_q * s).T + bias, x left in bf16/fp16. (`counters`: unused here.)"""
     return triton_gemm.w8a16_gemm(x, w_q, w_scale, WEIGHT_GROUP[scheme], bias, out_dtype=x.dtype)

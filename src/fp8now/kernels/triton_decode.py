@@ -1,0 +1,193 @@
+"""One-launch FP8 decode linear: activation quantization inside a split-K GEMM that reduces its own splits.
+
+For decode-sized M (a few tokens) a layer call is memory-bound on the weight, and every extra graph
+node or Python launch costs more than the bytes it moves. `decode_linear` does the whole call in one
+kernel launch:
+- the activation is quantized in registers by the program that consumes it, with the rules of SPEC §4
+  (IEEE division, clamp, round-to-nearest-even cast), so the FP8 operands are exactly those of
+  `numerics.quantize_activation`; per 1x128 group a program needs only its own K slice, per token it
+  first reads its rows over all of K for the amax (cheap for a few short rows: the dispatch in
+  `triton_fp8` decides where). A pre-quantized `(x_q, x_s)` is also accepted (per token).
+- K is split over SPLITS programs per output tile. Each writes its float32 partial to a workspace,
+  then takes a ticket from a per-tile counter (atomic add, acquire-release); the program that draws
+  the last ticket adds the SPLITS partials in the fixed order 0..SPLITS-1 (deterministic whatever the
+  arrival order), applies the scales and bias, casts, stores, and resets the counter to zero.
+
+The counters are an int32 tensor that must be zero before the launch and is zero again after it (the
+caller keeps one per layer, `fp8now.kernels.split_counters(N, device)`: `Fp8Linear` owns it). Two launches sharing a counter tensor must not run at
+the same time (e.g. the same layer on two streams at once); without one, a zeroed tensor is allocated.
+No host synchronization anywhere: the wrapper captures in CUDA graphs.
+"""
+
+import torch
+
+from ..numerics import E4M3FN, GROUP_AMAX_FLOOR
+from . import triton_gemm as tg
+from .triton_quant import _abs_bits, _as_f32, _to_fp8
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton_gemm's stand-ins keep the definitions parseable; available() says why
+    triton, tl = tg.triton, tg.tl
+
+ACTS = ("token", "group")
+W_KINDS = ("tensor", "channel", "block")
+# Decode tile: 16 rows (every M <= 16 in one row tile), 64 columns (the H200 decode sweep's winner for
+# the split-K GEMMs, benchmarks/tune_decode.py), 4 warps, 4 stages; K split as for the split-K GEMMs.
+DECODE_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=0)
+MAX_M = 16
+
+
+@triton.jit(do_not_specialize=["M"])
+def _decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, one,
+                   M, N, K, K_SPLIT, stride_xm, stride_xs, stride_wn, stride_wsn, stride_wsk, stride_ym,
+                   ACT_GROUP: tl.constexpr, QUANT_X: tl.constexpr,
+                   SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   FMAX: tl.constexpr, TOKEN_FLOOR: tl.constexpr, GROUP_FLOOR: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    tile = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = tile // num_n
+    pid_n = tile % num_n
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    row_ok = offs_m < M
+    rm = (offs_m % M).to(tl.int64)
+    rn = (offs_n % N).to(tl.int64)
+    k_begin = tl.program_id(1) * K_SPLIT
+    k_end = tl.minimum(K, k_begin + K_SPLIT)
+    x_rows = x_ptr + rm[:, None] * stride_xm
+    w_cols = w_ptr + rn[None, :] * stride_wn
+    # Per token: the row scale first (quantizing here: the amax over all of K of this tile's rows).
+    s_row = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if not ACT_GROUP:
+        if QUANT_X:
+            bits = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.int32)
+            for k0 in range(0, K, BLOCK_K):
+                xk = tl.load(x_rows + (k0 + offs_k)[None, :], mask=(k0 + offs_k)[None, :] < K, other=0.0)
+                bits = tl.maximum(bits, _abs_bits(xk))
+            amax = _as_f32(tl.max(bits, axis=1))
+            s_row = tl.maximum(tl.math.div_rn(amax, FMAX), TOKEN_FLOOR, propagate_nan=tl.PropagateNan.ALL)
+        else:
+            s_row = tl.load(xs_ptr + rm * stride_xs)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < k_end
+        b = tl.load(w_cols + kk[:, None], mask=k_ok[:, None], other=0.0)             # [BK, BN] fp8
+        if QUANT_X:
+            xf = tl.load(x_rows + kk[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
+            if ACT_GROUP:  # this K-block is one 1x128 group: its scale, then the block product
+                amax = _as_f32(tl.max(_abs_bits(xf), axis=1))
+                sa = tl.math.div_rn(tl.maximum(amax, GROUP_FLOOR, propagate_nan=tl.PropagateNan.ALL),
+                                    FMAX)
+                a = _to_fp8(tl.math.div_rn(xf, sa[:, None]), w_ptr, FMAX)
+            else:
+                sa = s_row
+                a = _to_fp8(tl.math.div_rn(xf, s_row[:, None]), w_ptr, FMAX)
+        else:
+            a = tl.load(x_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
+            sa = s_row
+        if ACT_GROUP:  # block weights: one scale per (128-row tile, K-block); BLOCK_N divides 128
+            sb = tl.load(ws_ptr + ((pid_n * BLOCK_N) // 128) * stride_wsn + (k0 // 128) * stride_wsk)
+            acc += tl.dot(a, b) * (sa * sb)[:, None]
+        else:  # keep every K-block's product apart from the MMA's own accumulator (see triton_gemm)
+            acc += tl.dot(a, b) * tl.cast(one, tl.float32)
+    if SPLITS > 1:
+        p_tile = part_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n.to(tl.int64)[None, :]
+        mask = row_ok[:, None] & (offs_n[None, :] < N)
+        tl.store(p_tile + tl.program_id(1).to(tl.int64) * M * N, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the ticket is drawn
+        ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if ticket == SPLITS - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for i in tl.static_range(SPLITS):
+                acc += tl.load(p_tile + i * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+            _epilogue(acc, s_row, ws_ptr, b_ptr, y_ptr, offs_m, offs_n, rn, M, N, stride_wsn, stride_ym,
+                      ACT_GROUP, HAS_BIAS)
+    else:
+        _epilogue(acc, s_row, ws_ptr, b_ptr, y_ptr, offs_m, offs_n, rn, M, N, stride_wsn, stride_ym,
+                  ACT_GROUP, HAS_BIAS)
+
+
+@triton.jit
+def _epilogue(acc, s_row, ws_ptr, b_ptr, y_ptr, offs_m, offs_n, rn, M, N, stride_wsn, stride_ym,
+              ACT_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Row x column scales (per token), bias, one cast, masked store."""
+    if not ACT_GROUP:  # per channel, or (stride 0) one tensor scale
+        sb = tl.load(ws_ptr + rn * stride_wsn)
+        acc = acc * (s_row[:, None] * sb[None, :])
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n.to(tl.int64)[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind: str, act: str,
+                  bias: torch.Tensor | None = None, *, x_scale: torch.Tensor | None = None,
+                  counters: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                  config: dict | None = None) -> torch.Tensor:
+    """y [M, N] = quantize(x [M, K]) @ W.T (+ bias) in one launch, for M <= MAX_M.
+
+    w_kind "tensor" (w_s 0-d / [1]) or "channel" (w_s [N, 1]) with act "token"; w_kind "block"
+    (w_s [ceil(N/128), ceil(K/128)]) with act "group". `x` is bf16/fp16/fp32 and quantized in the
+    kernel, or with act "token" already FP8 with its per-token `x_scale` [M, 1].
+    """
+    tg._require_triton()
+    if act not in ACTS or w_kind not in W_KINDS or (act == "group") != (w_kind == "block"):
+        raise ValueError(f"decode_linear pairs act 'token' with w_kind 'tensor'/'channel' and act 'group' "
+                         f"with w_kind 'block'; got act={act!r}, w_kind={w_kind!r}")
+    if w_q.dim() != 2 or w_q.dtype != tg.FP8_DTYPE:
+        raise ValueError(f"w_q must be a 2-D {tg.FP8_DTYPE} tensor, got {w_q.dtype} {tuple(w_q.shape)}")
+    N, K = w_q.shape
+    quant_x = x_scale is None
+    if quant_x:
+        x2 = tg._flatten_act(x, K)
+    else:
+        if act != "token" or x.dtype != tg.FP8_DTYPE or x.dim() != 2 or x.shape[1] != K:
+            raise ValueError(f"a pre-quantized x must be [M, {K}] {tg.FP8_DTYPE} with act 'token', got "
+                             f"{x.dtype} {tuple(x.shape)}")
+        x2 = x
+    M = x2.shape[0]
+    if M > MAX_M:
+        raise ValueError(f"decode_linear is for M <= {MAX_M} tokens, got M={M}")
+    if x2.device != w_q.device:
+        raise ValueError(f"x on {x2.device} but w_q on {w_q.device}")
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    sxs = 0 if quant_x else tg._vector_scale(x_scale, M, "x_scale", x2.device)
+    if w_kind == "block":
+        tg._check_block_scale(w_s, N, K, "w_s", w_q.device, tg.SCALE_BLOCK)
+        swn, swk = w_s.stride(0), w_s.stride(1)
+        if K % tg.SCALE_BLOCK:
+            raise ValueError(f"block decode needs K divisible by {tg.SCALE_BLOCK}, got K={K}")
+    else:
+        swn, swk = tg._vector_scale(w_s, N, "w_s", w_q.device), 0
+    bias = tg._check_bias(bias, N, w_q.device)
+    out_dtype = (x2.dtype if quant_x else torch.bfloat16) if out_dtype is None else out_dtype
+    tg._check_out_dtype(out_dtype)
+    cfg = tg._merge_config(DECODE_CONFIG, config, block_k=tg.SCALE_BLOCK)
+    if w_kind == "block" and 128 % cfg["BLOCK_N"]:
+        raise ValueError(f"block decode needs BLOCK_N dividing 128, got {cfg['BLOCK_N']}")
+    y = torch.empty((M, N), dtype=out_dtype, device=w_q.device)
+    if M == 0 or N == 0:
+        return y
+    k_split, splits, part = tg._split_plan(cfg, M, N, K, y)
+    tiles = tg._cdiv(M, cfg["BLOCK_M"]) * tg._cdiv(N, cfg["BLOCK_N"])
+    if counters is not None and (counters.dtype != torch.int32 or counters.device != w_q.device):
+        raise ValueError(f"counters must be a zeroed int32 tensor on {w_q.device}, got "
+                         f"{counters.dtype} on {counters.device}")
+    if splits > 1 and (counters is None or counters.numel() < tiles):
+        counters = torch.zeros(tiles, dtype=torch.int32, device=w_q.device)
+    _decode_kernel[(tiles, splits)](
+        x2, x_scale if x_scale is not None else w_s, w_q, w_s, bias if bias is not None else w_s, y, part,
+        counters if counters is not None else w_s, 1.0,
+        M, N, K, k_split, x2.stride(0), sxs, w_q.stride(0), swn, swk, y.stride(0),
+        ACT_GROUP=act == "group", QUANT_X=quant_x, SPLITS=splits,
+        HAS_BIAS=bias is not None, FMAX=E4M3FN.fmax, TOKEN_FLOOR=E4M3FN.min_scale,
+        GROUP_FLOOR=GROUP_AMAX_FLOOR, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return y

@@ -1,0 +1,131 @@
+"""The one-launch decode kernel (activation quantized inside a split-K GEMM that reduces its own splits)
+against float64 products of the same FP8 operands.
+
+Without a CUDA device the kernel runs in Triton's interpreter (TRITON_INTERPRET=1 before triton is
+imported), so shapes stay tiny. The interpreter's fp32 -> fp8 cast is defective (SPEC §2), so there the
+FP8 operands of the reference come from the Triton quantizers (same cast); on a GPU they come from
+`numerics` (whose bytes the Triton quantizers match exactly).
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from fp8now import numerics as nu  # noqa: E402  (conftest chose the interpreter before this import)
+from fp8now.kernels import split_counters  # noqa: E402
+from fp8now.kernels import triton_decode as td, triton_gemm as tg, triton_quant as tq  # noqa: E402
+from fp8_oracle import varied  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = [pytest.mark.triton,
+              pytest.mark.skipif(tg.available(DEV) is not None, reason=f"Triton: {tg.available(DEV)}")]
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+W_GROUP = {"tensor": (-1, -1), "channel": (1, -1), "block": (128, 128)}
+PAIRS = [("channel", "token"), ("tensor", "token"), ("block", "group")]
+
+
+def _operands(m, n, k, w_kind, seed, bias=True, dtype=BF16):
+    x = varied((m, k), torch.float32, seed=seed, spread=3) * 0.25
+    if m > 2:
+        x[1] = 0.0            # an all-zero row: the scale floor
+        x[2, :3] = 300.0      # outliers next to small values
+    x = x.to(dtype)
+    w_q, w_s = nu.quantize_weight(varied((n, k), torch.float32, seed=seed + 1, spread=3), w_kind)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(seed + 2)) if bias else None
+    return x.to(DEV), w_q.to(DEV), w_s.to(DEV), None if b is None else b.to(DEV)
+
+
+def _quantized_x(x, act):
+    """The FP8 activation operands the kernel must reproduce (see the module docstring)."""
+    if DEV.type == "cpu":
+        return tq.quantize_act_token(x) if act == "token" else tq.quantize_act_group(x)
+    return nu.quantize_activation(x, act)
+
+
+def _exact(x_q, x_s, act, w_q, w_s, w_kind, b):
+    y = (nu.dequantize(x_q.cpu(), x_s.cpu(), (1, -1) if act == "token" else (1, 128)).double()
+         @ nu.dequantize(w_q.cpu(), w_s.cpu(), W_GROUP[w_kind]).double().T)
+    return y if b is None else y + b.cpu().double()
+
+
+@pytest.mark.parametrize("w_kind,act", PAIRS)
+@pytest.mark.parametrize("m,n,k,split", [(1, 200, 640, 1), (5, 200, 640, 2), (16, 64, 640, 3),
+                                         (3, 130, 640, 5), (7, 96, 256, 0)])
+def test_decode_matches_exact_product(w_kind, act, m, n, k, split):
+    """Every split count (5 splits of 128 = one K-block each), M and N tails, bias, float32 output."""
+    x, w_q, w_s, b = _operands(m, n, k, w_kind, seed=m * 1000 + n + split)
+    counters = split_counters(n, DEV)
+    y = td.decode_linear(x, w_q, w_s, w_kind, act, b, counters=counters, out_dtype=FP32,
+                         config=dict(SPLIT_K=split))
+    ref = _exact(*_quantized_x(x, act), act, w_q, w_s, w_kind, b)
+    assert y.shape == (m, n) and y.dtype == FP32
+    assert torch.isfinite(y).all()
+    assert nu.rel_diff(y.cpu(), ref) < 1e-6
+    worst = max(nu.rel_diff(y[i].cpu(), ref[i]) for i in range(m) if ref[i].abs().sum() > 0)
+    assert worst < 1e-6
+    assert int(counters.abs().sum()) == 0, "the last split must reset its tile's counter"
+
+
+@pytest.mark.parametrize("w_kind,act", PAIRS)
+def test_decode_split_count_and_order_do_not_change_the_sum_beyond_rounding(w_kind, act):
+    """1, 2 and 5 splits agree to float32 rounding; the same split twice gives the same bytes."""
+    x, w_q, w_s, b = _operands(4, 160, 640, w_kind, seed=3)
+    counters = split_counters(160, DEV)
+    run = lambda s: td.decode_linear(x, w_q, w_s, w_kind, act, b, counters=counters,  # noqa: E731
+                                     out_dtype=FP32, config=dict(SPLIT_K=s))
+    y1, y2, y5 = run(1), run(2), run(5)
+    assert nu.rel_diff(y2.cpu(), y1.cpu()) < 1e-6 and nu.rel_diff(y5.cpu(), y1.cpu()) < 1e-6
+    assert torch.equal(run(5), y5) and torch.equal(run(2), y2)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+@pytest.mark.parametrize("w_kind,act", PAIRS)
+def test_decode_output_dtype_and_no_counters(w_kind, act, dtype):
+    """Output in the activation dtype by default; without counters a zeroed tensor is made per call."""
+    x, w_q, w_s, b = _operands(3, 64, 512, w_kind, seed=9, dtype=dtype)
+    y = td.decode_linear(x, w_q, w_s, w_kind, act, b, config=dict(SPLIT_K=2))
+    assert y.dtype == dtype
+    ref = _exact(*_quantized_x(x, act), act, w_q, w_s, w_kind, b)
+    assert nu.rel_diff(y.cpu().float(), ref) < 1e-4
+
+
+@pytest.mark.parametrize("w_kind", ["channel", "tensor"])
+def test_decode_prequantized_rows_equal_fused(w_kind):
+    """Per token, FP8 rows + scales from the quantizer give the bytes of quantizing in the kernel."""
+    x, w_q, w_s, b = _operands(6, 96, 640, w_kind, seed=21)
+    x_q, x_s = tq.quantize_act_token(x)
+    cfg = dict(SPLIT_K=3)
+    fused = td.decode_linear(x, w_q, w_s, w_kind, "token", b, config=cfg)
+    pre = td.decode_linear(x_q, w_q, w_s, w_kind, "token", b, x_scale=x_s, out_dtype=BF16, config=cfg)
+    assert torch.equal(fused, pre)
+
+
+def test_decode_noncontiguous_and_misindexed_control():
+    """A strided activation gives the contiguous result; a rolled weight scale (control) does not."""
+    x, w_q, w_s, b = _operands(4, 128, 384, "block", seed=5)
+    wide = torch.zeros(4, 2 * 384, dtype=x.dtype, device=DEV)
+    wide[:, ::2] = x
+    y = td.decode_linear(x, w_q, w_s, "block", "group", b, config=dict(SPLIT_K=3))
+    assert torch.equal(td.decode_linear(wide[:, ::2], w_q, w_s, "block", "group", b,
+                                        config=dict(SPLIT_K=3)), y)
+    rolled = td.decode_linear(x, w_q, w_s.roll(1, 1).contiguous(), "block", "group", b)
+    assert nu.rel_diff(rolled.cpu().float(), y.cpu().float()) > 1e-2
+
+
+def test_decode_rejects_bad_inputs():
+    x, w_q, w_s, _ = _operands(3, 64, 256, "block", seed=1)
+    with pytest.raises(ValueError, match="pairs act"):
+        td.decode_linear(x, w_q, w_s, "block", "token")
+    with pytest.raises(ValueError, match="M <= 16"):
+        td.decode_linear(torch.cat([x] * 6), w_q, w_s, "block", "group")
+    with pytest.raises(ValueError, match="BLOCK_N dividing 128"):
+        td.decode_linear(x, w_q, w_s, "block", "group", config=dict(BLOCK_N=256))
+    with pytest.raises(ValueError, match="pre-quantized"):
+        x_q, x_s = tq.quantize_act_group(x)
+        td.decode_linear(x_q, w_q, w_s, "block", "group", x_scale=x_s)
+    with pytest.raises(ValueError, match="w_s"):
+        td.decode_linear(x, w_q, w_s[:, :1], "block", "group")
+    with pytest.raises(ValueError, match="counters"):
+        td.decode_linear(x, w_q, w_s, "block", "group", counters=torch.zeros(8, device=DEV),
+                         config=dict(SPLIT_K=2))
