@@ -4,7 +4,7 @@ For the seven benchmark shapes and M in {1, 4, 16}, per scheme:
 - `old`: the Triton quantizer, then the split-K Triton GEMM whose splits a second kernel reduces
   (the path `triton` took before `triton_decode`; 3 launches when K is split),
 - `fused`: `triton_decode.decode_linear` quantizing inside the kernel (1 launch),
-- `pre` (per token): the Triton per-token quantizer, then `decode_linear` on the FP8 rows (2 launches),
+- `pre`: the Triton quantizer, then `decode_linear` on the FP8 rows (2 launches),
 - `layer`: `Fp8Linear` with the shipped dispatch (whatever `triton_fp8.linear` picks),
 each checked first against the float64 product of the `numerics` operands (rel err), then timed in CUDA
 graphs (8 calls on 8 weight copies per graph: weights stream from HBM, no host overhead) and eagerly
@@ -86,12 +86,11 @@ def main():
                         x, *wq[s][i], s, act, counters=cnt[i], out_dtype=out),
                     "layer": lambda i, out=None: layers[s][i](x),
                 }
-                if act == "token":
-                    def pre(i, out=torch.bfloat16, s=s):
-                        x_q8, x_s8 = tq.quantize_act_token(x)
-                        return td.decode_linear(x_q8, *wq[s][i], s, "token", x_scale=x_s8, counters=cnt[i],
-                                                out_dtype=out)
-                    calls["pre"] = pre
+                def pre(i, out=torch.bfloat16, s=s, act=act, qfn=qfn):
+                    x_q8, x_s8 = qfn(x)
+                    return td.decode_linear(x_q8, *wq[s][i], s, act, x_scale=x_s8, counters=cnt[i],
+                                            out_dtype=out)
+                calls["pre"] = pre
                 for name, call in calls.items():
                     try:
                         y = call(0, torch.float32) if name != "layer" else call(0)

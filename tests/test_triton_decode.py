@@ -50,7 +50,7 @@ def _exact(x_q, x_s, act, w_q, w_s, w_kind, b):
 
 
 @pytest.mark.parametrize("w_kind,act", PAIRS)
-@pytest.mark.parametrize("m,n,k,split", [(1, 200, 640, 1), (5, 200, 640, 2), (16, 64, 640, 3),
+@pytest.mark.parametrize("m,n,k,split", [(1, 200, 640, 1), (1, 96, 640, 3), (5, 200, 640, 2), (16, 64, 640, 3),
                                          (3, 130, 640, 5), (7, 96, 256, 0)])
 def test_decode_matches_exact_product(w_kind, act, m, n, k, split):
     """Every split count (5 splits of 128 = one K-block each), M and N tails, bias, float32 output."""
@@ -90,15 +90,20 @@ def test_decode_output_dtype_and_no_counters(w_kind, act, dtype):
     assert nu.rel_diff(y.cpu().float(), ref) < 1e-4
 
 
-@pytest.mark.parametrize("w_kind", ["channel", "tensor"])
-def test_decode_prequantized_rows_equal_fused(w_kind):
-    """Per token, FP8 rows + scales from the quantizer give the bytes of quantizing in the kernel."""
-    x, w_q, w_s, b = _operands(6, 96, 640, w_kind, seed=21)
-    x_q, x_s = tq.quantize_act_token(x)
+@pytest.mark.parametrize("w_kind,act", PAIRS)
+@pytest.mark.parametrize("m", [1, 6])
+def test_decode_prequantized_equals_fused(w_kind, act, m):
+    """FP8 rows + scales from the Triton quantizer (per group also with column-major scales) give the
+    bytes of quantizing inside the kernel."""
+    x, w_q, w_s, b = _operands(m, 96, 640, w_kind, seed=21 + m)
+    quantizers = [tq.quantize_act_token] if act == "token" else [
+        tq.quantize_act_group, lambda t: tq.quantize_act_group(t, col_major=True)]
     cfg = dict(SPLIT_K=3)
-    fused = td.decode_linear(x, w_q, w_s, w_kind, "token", b, config=cfg)
-    pre = td.decode_linear(x_q, w_q, w_s, w_kind, "token", b, x_scale=x_s, out_dtype=BF16, config=cfg)
-    assert torch.equal(fused, pre)
+    fused = td.decode_linear(x, w_q, w_s, w_kind, act, b, config=cfg)
+    for quantize in quantizers:
+        x_q, x_s = quantize(x)
+        pre = td.decode_linear(x_q, w_q, w_s, w_kind, act, b, x_scale=x_s, out_dtype=BF16, config=cfg)
+        assert torch.equal(fused, pre)
 
 
 def test_decode_noncontiguous_and_misindexed_control():
@@ -121,9 +126,11 @@ def test_decode_rejects_bad_inputs():
         td.decode_linear(torch.cat([x] * 6), w_q, w_s, "block", "group")
     with pytest.raises(ValueError, match="BLOCK_N dividing 128"):
         td.decode_linear(x, w_q, w_s, "block", "group", config=dict(BLOCK_N=256))
+    x_q, x_s = tq.quantize_act_group(x)
     with pytest.raises(ValueError, match="pre-quantized"):
-        x_q, x_s = tq.quantize_act_group(x)
-        td.decode_linear(x_q, w_q, w_s, "block", "group", x_scale=x_s)
+        td.decode_linear(x_q.float(), w_q, w_s, "block", "group", x_scale=x_s)
+    with pytest.raises(ValueError, match="x_scale"):
+        td.decode_linear(x_q, w_q, w_s, "block", "group", x_scale=x_s[:, :1])
     with pytest.raises(ValueError, match="w_s"):
         td.decode_linear(x, w_q, w_s[:, :1], "block", "group")
     with pytest.raises(ValueError, match="counters"):

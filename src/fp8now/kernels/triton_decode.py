@@ -7,7 +7,7 @@ kernel launch:
   (IEEE division, clamp, round-to-nearest-even cast), so the FP8 operands are exactly those of
   `numerics.quantize_activation`; per 1x128 group a program needs only its own K slice, per token it
   first reads its rows over all of K for the amax (cheap for a few short rows: the dispatch in
-  `triton_fp8` decides where). A pre-quantized `(x_q, x_s)` is also accepted (per token).
+  `triton_fp8` decides where). A pre-quantized `(x_q, x_s)` is also accepted.
 - K is split over SPLITS programs per output tile. Each writes its float32 partial to a workspace,
   then takes a ticket from a per-tile counter (atomic add, acquire-release); the program that draws
   the last ticket adds the SPLITS partials in the fixed order 0..SPLITS-1 (deterministic whatever the
@@ -39,13 +39,22 @@ DECODE_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4
 MAX_M = 16
 
 
+@triton.jit
+def _quantize_block(xf, s, FMAX: tl.constexpr, w_ptr):
+    """fp8(clamp(xf / s)) with IEEE division (xf float32 [R, BK], s [R]); w_ptr gives the fp8 type."""
+    return _to_fp8(tl.math.div_rn(xf, s[:, None]), w_ptr, FMAX)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, one,
-                   M, N, K, K_SPLIT, stride_xm, stride_xs, stride_wn, stride_wsn, stride_wsk, stride_ym,
-                   ACT_GROUP: tl.constexpr, QUANT_X: tl.constexpr,
+                   M, N, K, K_SPLIT, stride_xm, stride_xsm, stride_xsk, stride_wn, stride_wsn, stride_wsk,
+                   stride_ym,
+                   ACT_GROUP: tl.constexpr, QUANT_X: tl.constexpr, ROWS: tl.constexpr,
                    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
                    FMAX: tl.constexpr, TOKEN_FLOOR: tl.constexpr, GROUP_FLOOR: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # ROWS: activation rows a program quantizes: BLOCK_M, or 1 when M == 1 (that row is quantized
+    # once and broadcast to the MMA's BLOCK_M rows, instead of quantizing BLOCK_M copies of it).
     tile = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = tile // num_n
@@ -54,42 +63,53 @@ def _decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     row_ok = offs_m < M
-    rm = (offs_m % M).to(tl.int64)
+    rm = (offs_m % M).to(tl.int64)          # rows past M wrap onto real ones (the stores mask them)
+    rq = ((pid_m * BLOCK_M + tl.arange(0, ROWS)) % M).to(tl.int64)
     rn = (offs_n % N).to(tl.int64)
     k_begin = tl.program_id(1) * K_SPLIT
     k_end = tl.minimum(K, k_begin + K_SPLIT)
-    x_rows = x_ptr + rm[:, None] * stride_xm
+    xq_rows = x_ptr + rq[:, None] * stride_xm                                        # [ROWS, 1]
     w_cols = w_ptr + rn[None, :] * stride_wn
     # Per token: the row scale first (quantizing here: the amax over all of K of this tile's rows).
-    s_row = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    s_q = tl.zeros((ROWS,), dtype=tl.float32)
     if not ACT_GROUP:
         if QUANT_X:
-            bits = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.int32)
+            bits = tl.zeros((ROWS, BLOCK_K), dtype=tl.int32)
             for k0 in range(0, K, BLOCK_K):
-                xk = tl.load(x_rows + (k0 + offs_k)[None, :], mask=(k0 + offs_k)[None, :] < K, other=0.0)
+                xk = tl.load(xq_rows + (k0 + offs_k)[None, :], mask=(k0 + offs_k)[None, :] < K, other=0.0)
                 bits = tl.maximum(bits, _abs_bits(xk))
             amax = _as_f32(tl.max(bits, axis=1))
-            s_row = tl.maximum(tl.math.div_rn(amax, FMAX), TOKEN_FLOOR, propagate_nan=tl.PropagateNan.ALL)
-        else:
-            s_row = tl.load(xs_ptr + rm * stride_xs)
+            s_q = tl.maximum(tl.math.div_rn(amax, FMAX), TOKEN_FLOOR, propagate_nan=tl.PropagateNan.ALL)
+    s_row = tl.broadcast_to(s_q, (BLOCK_M,))
+    if not ACT_GROUP and not QUANT_X:
+        s_row = tl.load(xs_ptr + rm * stride_xsm)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # The activation block of the next step is loaded one step ahead (its quantization sits between
+    # the load and the MMA, which keeps the compiler's pipelining from covering it).
+    x_next = tl.load(xq_rows + (k_begin + offs_k)[None, :], mask=(k_begin + offs_k)[None, :] < k_end,
+                     other=0.0)
     for k0 in range(k_begin, k_end, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < k_end
         b = tl.load(w_cols + kk[:, None], mask=k_ok[:, None], other=0.0)             # [BK, BN] fp8
         if QUANT_X:
-            xf = tl.load(x_rows + kk[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
+            xf = x_next.to(tl.float32)                                              # [ROWS, BK]
+            x_next = tl.load(xq_rows + (kk + BLOCK_K)[None, :], mask=(kk + BLOCK_K)[None, :] < k_end,
+                             other=0.0)
             if ACT_GROUP:  # this K-block is one 1x128 group: its scale, then the block product
                 amax = _as_f32(tl.max(_abs_bits(xf), axis=1))
-                sa = tl.math.div_rn(tl.maximum(amax, GROUP_FLOOR, propagate_nan=tl.PropagateNan.ALL),
-                                    FMAX)
-                a = _to_fp8(tl.math.div_rn(xf, sa[:, None]), w_ptr, FMAX)
+                sg = tl.math.div_rn(tl.maximum(amax, GROUP_FLOOR, propagate_nan=tl.PropagateNan.ALL), FMAX)
+                a = tl.broadcast_to(_quantize_block(xf, sg, FMAX, w_ptr), (BLOCK_M, BLOCK_K))
+                sa = tl.broadcast_to(sg, (BLOCK_M,))
+            else:
+                a = tl.broadcast_to(_quantize_block(xf, s_q, FMAX, w_ptr), (BLOCK_M, BLOCK_K))
+                sa = s_row
+        else:
+            a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=k_ok[None, :], other=0.0)
+            if ACT_GROUP:
+                sa = tl.load(xs_ptr + rm * stride_xsm + (k0 // 128) * stride_xsk)
             else:
                 sa = s_row
-                a = _to_fp8(tl.math.div_rn(xf, s_row[:, None]), w_ptr, FMAX)
-        else:
-            a = tl.load(x_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
-            sa = s_row
         if ACT_GROUP:  # block weights: one scale per (128-row tile, K-block); BLOCK_N divides 128
             sb = tl.load(ws_ptr + ((pid_n * BLOCK_N) // 128) * stride_wsn + (k0 // 128) * stride_wsk)
             acc += tl.dot(a, b) * (sa * sb)[:, None]
@@ -134,7 +154,7 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
 
     w_kind "tensor" (w_s 0-d / [1]) or "channel" (w_s [N, 1]) with act "token"; w_kind "block"
     (w_s [ceil(N/128), ceil(K/128)]) with act "group". `x` is bf16/fp16/fp32 and quantized in the
-    kernel, or with act "token" already FP8 with its per-token `x_scale` [M, 1].
+    kernel, or already FP8 with its `x_scale` (per token [M, 1], per group [M, ceil(K/128)], any strides).
     """
     tg._require_triton()
     if act not in ACTS or w_kind not in W_KINDS or (act == "group") != (w_kind == "block"):
@@ -147,9 +167,9 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
     if quant_x:
         x2 = tg._flatten_act(x, K)
     else:
-        if act != "token" or x.dtype != tg.FP8_DTYPE or x.dim() != 2 or x.shape[1] != K:
-            raise ValueError(f"a pre-quantized x must be [M, {K}] {tg.FP8_DTYPE} with act 'token', got "
-                             f"{x.dtype} {tuple(x.shape)}")
+        if x.dtype != tg.FP8_DTYPE or x.dim() != 2 or x.shape[1] != K:
+            raise ValueError(f"a pre-quantized x must be [M, {K}] {tg.FP8_DTYPE}, got {x.dtype} "
+                             f"{tuple(x.shape)}")
         x2 = x
     M = x2.shape[0]
     if M > MAX_M:
@@ -158,7 +178,13 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
         raise ValueError(f"x on {x2.device} but w_q on {w_q.device}")
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    sxs = 0 if quant_x else tg._vector_scale(x_scale, M, "x_scale", x2.device)
+    if quant_x:
+        sxm = sxk = 0
+    elif act == "token":
+        sxm, sxk = tg._vector_scale(x_scale, M, "x_scale", x2.device), 0
+    else:
+        tg._check_block_scale(x_scale, M, K, "x_scale", x2.device, 1)
+        sxm, sxk = x_scale.stride(0), x_scale.stride(1)
     if w_kind == "block":
         tg._check_block_scale(w_s, N, K, "w_s", w_q.device, tg.SCALE_BLOCK)
         swn, swk = w_s.stride(0), w_s.stride(1)
@@ -185,8 +211,8 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
     _decode_kernel[(tiles, splits)](
         x2, x_scale if x_scale is not None else w_s, w_q, w_s, bias if bias is not None else w_s, y, part,
         counters if counters is not None else w_s, 1.0,
-        M, N, K, k_split, x2.stride(0), sxs, w_q.stride(0), swn, swk, y.stride(0),
-        ACT_GROUP=act == "group", QUANT_X=quant_x, SPLITS=splits,
+        M, N, K, k_split, x2.stride(0), sxm, sxk, w_q.stride(0), swn, swk, y.stride(0),
+        ACT_GROUP=act == "group", QUANT_X=quant_x, ROWS=1 if M == 1 else cfg["BLOCK_M"], SPLITS=splits,
         HAS_BIAS=bias is not None, FMAX=E4M3FN.fmax, TOKEN_FLOOR=E4M3FN.min_scale,
         GROUP_FLOOR=GROUP_AMAX_FLOOR, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

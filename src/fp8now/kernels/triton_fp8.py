@@ -1,13 +1,13 @@
 """The `triton` backend (sm_89+): Triton activation quantization in front of the fastest GEMM.
 
 Per call, by M (the thresholds are the dispatch data, measured on the H200, BENCHMARKS.md):
-- M <= triton_decode.MAX_M (decode): one launch of `triton_decode.decode_linear`, the activation
-  quantized inside the split-K GEMM, which reduces its own splits; per token only while the rows are
-  short enough (M x K <= FUSED_TOKEN_MAX_MK: every program reads its rows over all of K for the amax),
-  else the Triton per-token quantizer, then the same kernel on the FP8 rows (two launches).
-- tensor / channel: the Triton per-token quantizer, then for M <= TRITON_MAX_M["rowwise"] the Triton
+- M <= triton_decode.MAX_M (decode): `triton_decode.decode_linear`, a split-K GEMM that reduces its
+  own splits; for M <= FUSED_MAX_M it also quantizes the activation itself (one launch), above that
+  the Triton quantizer runs first (two launches: quantizing the same rows again in every program
+  costs more GPU time than the launch it saves once M grows).
+- tensor / channel, M > 16: the Triton per-token quantizer, then for M <= TRITON_MAX_M["rowwise"] the Triton
   rowwise GEMM (split-K over the SMs), for larger M cuBLAS `_scaled_mm` rowwise.
-- block: the Triton 1x128 group quantizer, then for M <= TRITON_MAX_M["block"] the Triton block GEMM
+- block, M > 16: the Triton 1x128 group quantizer, then for M <= TRITON_MAX_M["block"] the Triton block GEMM
   (split-K), for larger M torch's blockwise `scaled_mm` (column-major scales) where `BLOCK_GEMM`
   says so and cuBLAS takes the shape, else the Triton block GEMM.
 The thresholds come from CUDA-graph timings (GPU time, no host overhead) of both paths at M = 16, 32
@@ -25,7 +25,7 @@ from ..config import Scheme
 from . import torch_mm, triton_decode, triton_gemm, triton_quant
 
 TRITON_MAX_M = {"rowwise": 64, "block": 32}   # at or below: the Triton GEMMs (split-K for decode)
-FUSED_TOKEN_MAX_MK = 16384  # per-token decode: quantize inside the GEMM up to this many elements of x
+FUSED_MAX_M = 1    # decode: quantize inside the GEMM up to this many tokens
 BLOCK_GEMM = "torch"    # "torch" (blockwise F.scaled_mm) or "triton" above TRITON_MAX_M["block"]
 
 
@@ -52,13 +52,12 @@ def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torc
     """y [M, N] = quantize(x [M, K]) @ W.T + bias in x.dtype; `counters`: the layer's split-K counters."""
     m, k = x.shape
     if m <= triton_decode.MAX_M and not batch_invariant:
-        if scheme is Scheme.BLOCK:
-            return triton_decode.decode_linear(x, w_q, w_scale, "block", "group", bias, counters=counters)
-        if m * k <= FUSED_TOKEN_MAX_MK:
-            return triton_decode.decode_linear(x, w_q, w_scale, scheme.value, "token", bias,
-                                               counters=counters)
-        x_q, x_s = triton_quant.quantize_act_token(x)
-        return triton_decode.decode_linear(x_q, w_q, w_scale, scheme.value, "token", bias, x_scale=x_s,
+        w_kind, act = scheme.value, "group" if scheme is Scheme.BLOCK else "token"
+        if m <= FUSED_MAX_M:
+            return triton_decode.decode_linear(x, w_q, w_scale, w_kind, act, bias, counters=counters)
+        quantize = triton_quant.quantize_act_group if act == "group" else triton_quant.quantize_act_token
+        x_q, x_s = quantize(x)
+        return triton_decode.decode_linear(x_q, w_q, w_scale, w_kind, act, bias, x_scale=x_s,
                                            counters=counters, out_dtype=x.dtype)
     if scheme is Scheme.BLOCK:
         if batch_invariant:
