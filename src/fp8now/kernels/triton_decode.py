@@ -19,6 +19,8 @@ the same time (e.g. the same layer on two streams at once); without one, a zeroe
 No host synchronization anywhere: the wrapper captures in CUDA graphs.
 """
 
+import functools
+
 import torch
 
 from ..numerics import E4M3FN, GROUP_AMAX_FLOOR
@@ -146,6 +148,20 @@ def _epilogue(acc, s_row, ws_ptr, b_ptr, y_ptr, offs_m, offs_n, rn, M, N, stride
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
+_CHECKED_CONFIG = tg._merge_config(DECODE_CONFIG, None, block_k=tg.SCALE_BLOCK)
+
+
+def _plan(cfg: dict, m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int]:
+    """(K per split, splits, output tiles) of a launch."""
+    k_split = tg._k_per_split(k, tg._split_k(cfg, m, n, k, device), cfg["BLOCK_K"])
+    return k_split, tg._cdiv(k, k_split), tg._cdiv(m, cfg["BLOCK_M"]) * tg._cdiv(n, cfg["BLOCK_N"])
+
+
+@functools.lru_cache(maxsize=1024)
+def _default_plan(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int]:
+    return _plan(_CHECKED_CONFIG, m, n, k, device)
+
+
 def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind: str, act: str,
                   bias: torch.Tensor | None = None, *, x_scale: torch.Tensor | None = None,
                   counters: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
@@ -195,14 +211,18 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
     bias = tg._check_bias(bias, N, w_q.device)
     out_dtype = (x2.dtype if quant_x else torch.bfloat16) if out_dtype is None else out_dtype
     tg._check_out_dtype(out_dtype)
-    cfg = tg._merge_config(DECODE_CONFIG, config, block_k=tg.SCALE_BLOCK)
+    cfg = (_CHECKED_CONFIG if config is None
+           else tg._merge_config(DECODE_CONFIG, config, block_k=tg.SCALE_BLOCK))
     if w_kind == "block" and 128 % cfg["BLOCK_N"]:
         raise ValueError(f"block decode needs BLOCK_N dividing 128, got {cfg['BLOCK_N']}")
     y = torch.empty((M, N), dtype=out_dtype, device=w_q.device)
     if M == 0 or N == 0:
         return y
-    k_split, splits, part = tg._split_plan(cfg, M, N, K, y)
-    tiles = tg._cdiv(M, cfg["BLOCK_M"]) * tg._cdiv(N, cfg["BLOCK_N"])
+    if config is None:  # the common case: the launch plan of a shape is computed once
+        k_split, splits, tiles = _default_plan(M, N, K, w_q.device)
+    else:
+        k_split, splits, tiles = _plan(cfg, M, N, K, w_q.device)
+    part = y if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=y.device)
     if counters is not None and (counters.dtype != torch.int32 or counters.device != w_q.device):
         raise ValueError(f"counters must be a zeroed int32 tensor on {w_q.device}, got "
                          f"{counters.dtype} on {counters.device}")
