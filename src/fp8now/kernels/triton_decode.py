@@ -13,9 +13,10 @@ kernel launch:
   the last ticket adds the SPLITS partials in the fixed order 0..SPLITS-1 (deterministic whatever the
   arrival order), applies the scales and bias, casts, stores, and resets the counter to zero.
 
-The counters are an int32 tensor that must be zero before the launch and is zero again after it (the
-caller keeps one per layer, `fp8now.kernels.split_counters(N, device)`: `Fp8Linear` owns it). Two launches sharing a counter tensor must not run at
-the same time (e.g. the same layer on two streams at once); without one, a zeroed tensor is allocated.
+The counters are an int32 tensor that must be zero before the launch and is zero again after it: the
+caller keeps one per layer (`fp8now.kernels.split_counters(N, device)`; `Fp8Linear` owns it). Two
+launches sharing a counter tensor must not run at the same time (e.g. the same layer on two streams at
+once); without one, a zeroed tensor is allocated per call.
 No host synchronization anywhere: the wrapper captures in CUDA graphs.
 """
 
