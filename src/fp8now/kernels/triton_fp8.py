@@ -1,15 +1,21 @@
 """The `triton` backend (sm_89+): Triton activation quantization in front of the fastest GEMM.
 
 Per call, by M (the thresholds are the dispatch data, measured on the H200, BENCHMARKS.md):
-- M <= triton_decode.MAX_M (decode): `triton_decode.decode_linear`, a split-K GEMM that reduces its
-  own splits; for M <= FUSED_MAX_M it also quantizes the activation itself (one launch), above that
-  the Triton quantizer runs first (two launches: quantizing the same rows again in every program
-  costs more GPU time than the launch it saves once M grows).
-- tensor / channel, M > 16: the Triton per-token quantizer, then for M <= TRITON_MAX_M["rowwise"] the Triton
-  rowwise GEMM (split-K over the SMs), for larger M cuBLAS `_scaled_mm` rowwise.
-- block, M > 16: the Triton 1x128 group quantizer, then for M <= TRITON_MAX_M["block"] the Triton block GEMM
-  (split-K), for larger M torch's blockwise `scaled_mm` (column-major scales) where `BLOCK_GEMM`
-  says so and cuBLAS takes the shape, else the Triton block GEMM.
+- decode, M <= triton_decode.MAX_M (16), GPU time in CUDA graphs (benchmarks/bench_decode.py, H200):
+  - tensor / channel: the Triton per-token quantizer, then `triton_decode.decode_linear` on the FP8
+    rows, a split-K GEMM that reduces its own splits (two launches; the same GPU time as quantizer +
+    split-K GEMM + reduce kernel: 0.97-1.07x faster over the 42 tensor and channel rows; quantizing
+    inside the kernel lost almost everywhere: every program first reads its rows over all of K).
+  - block, M = 1 and N <= FUSED_BLOCK_MAX_N: `decode_linear` quantizing the 1x128 groups itself
+    (one launch; 1.03-1.12x faster than the three-launch path at N <= 8192, 0.84-0.95x at N >= 28672).
+  - block otherwise: the Triton group quantizer, then the split-K Triton block GEMM (its reduce
+    kernel included), which beat `decode_linear` on pre-quantized groups at large N (57344 x 8192,
+    M=16: 123 vs 155 µs).
+- tensor / channel, M > 16: the Triton per-token quantizer, then for M <= TRITON_MAX_M["rowwise"]
+  the Triton rowwise GEMM (split-K over the SMs), for larger M cuBLAS `_scaled_mm` rowwise.
+- block, M > 16: the Triton 1x128 group quantizer, then for M <= TRITON_MAX_M["block"] the Triton
+  block GEMM (split-K), for larger M torch's blockwise `scaled_mm` (column-major scales) where
+  `BLOCK_GEMM` says so and cuBLAS takes the shape, else the Triton block GEMM.
 The thresholds come from CUDA-graph timings (GPU time, no host overhead) of both paths at M = 16, 32
 and 64 over the seven benchmark shapes (benchmarks/tune_decode.py): the Triton rowwise GEMM beat cuBLAS
 on 20 of 21 rows; the Triton block GEMM won at M <= 32 but not reliably at 64.
@@ -25,7 +31,7 @@ from ..config import Scheme
 from . import torch_mm, triton_decode, triton_gemm, triton_quant
 
 TRITON_MAX_M = {"rowwise": 64, "block": 32}   # at or below: the Triton GEMMs (split-K for decode)
-FUSED_MAX_M = 1    # decode: quantize inside the GEMM up to this many tokens
+FUSED_BLOCK_MAX_N = 8192  # block, M = 1: quantize inside the decode kernel up to this many outputs
 BLOCK_GEMM = "torch"    # "torch" (blockwise F.scaled_mm) or "triton" above TRITON_MAX_M["block"]
 
 
@@ -52,13 +58,12 @@ def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torc
     """y [M, N] = quantize(x [M, K]) @ W.T + bias in x.dtype; `counters`: the layer's split-K counters."""
     m, k = x.shape
     if m <= triton_decode.MAX_M and not batch_invariant:
-        w_kind, act = scheme.value, "group" if scheme is Scheme.BLOCK else "token"
-        if m <= FUSED_MAX_M:
-            return triton_decode.decode_linear(x, w_q, w_scale, w_kind, act, bias, counters=counters)
-        quantize = triton_quant.quantize_act_group if act == "group" else triton_quant.quantize_act_token
-        x_q, x_s = quantize(x)
-        return triton_decode.decode_linear(x_q, w_q, w_scale, w_kind, act, bias, x_scale=x_s,
-                                           counters=counters, out_dtype=x.dtype)
+        if scheme is not Scheme.BLOCK:
+            x_q, x_s = triton_quant.quantize_act_token(x)
+            return triton_decode.decode_linear(x_q, w_q, w_scale, scheme.value, "token", bias,
+                                               x_scale=x_s, counters=counters, out_dtype=x.dtype)
+        if m == 1 and w_q.shape[0] <= FUSED_BLOCK_MAX_N:
+            return triton_decode.decode_linear(x, w_q, w_scale, "block", "group", bias, counters=counters)
     if scheme is Scheme.BLOCK:
         if batch_invariant:
             x_q, x_s = triton_quant.quantize_act_group(x)
