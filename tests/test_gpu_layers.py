@@ -59,8 +59,8 @@ def test_backend_vs_exact(backend, scheme, n, k, m):
 @pytest.mark.parametrize("scheme", list(Scheme))
 @pytest.mark.parametrize("m", [1, 4, 16])
 def test_decode_kernel_deterministic_and_counters_reset(scheme, m):
-    """The one-launch decode path (K split, last split reduces): exact, the same bytes on every call
-    although the splits arrive in any order, and the layer's counters zero again after each call."""
+    """The decode paths (K split; the decode kernel's last split reduces): exact, the same bytes on
+    every call although the splits arrive in any order, and the layer's counters zero after each call."""
     lin, layer = layer_for(4096, 4096, scheme, "triton")
     x = varied((m, 4096), torch.float32, seed=m + 11, spread=3).cuda().to(torch.bfloat16)
     first = check_exact(layer, lin, x)
@@ -120,7 +120,7 @@ def test_batch_invariant(scheme):
 @pytest.mark.parametrize("scheme", list(Scheme))
 def test_compile_fullgraph_and_cuda_graph(scheme):
     lin, layer = layer_for(1024, 2048, scheme, "auto")
-    for m in (4, 512):
+    for m in (1, 4, 512):  # block at M=1: the decode kernel quantizing in-kernel; M=4: quantizer first
         x = varied((m, 2048), torch.bfloat16, seed=m).cuda()
         eager = layer(x)
         compiled = torch.compile(layer, fullgraph=True)

@@ -7,7 +7,9 @@ kernel launch:
   (IEEE division, clamp, round-to-nearest-even cast), so the FP8 operands are exactly those of
   `numerics.quantize_activation`; per 1x128 group a program needs only its own K slice, per token it
   first reads its rows over all of K for the amax (cheap for a few short rows: the dispatch in
-  `triton_fp8` decides where). A pre-quantized `(x_q, x_s)` is also accepted.
+  `triton_fp8` decides where). A pre-quantized `(x_q, x_s)` is also accepted. Measured on the H200
+  (BENCHMARKS.md): in-kernel quantization pays only for one row of 1x128 groups (block, M = 1, up to
+  N = 8192); per token, and for more rows, the Triton quantizer first is faster.
 - K is split over SPLITS programs per output tile. Each writes its float32 partial to a workspace,
   then takes a ticket from a per-tile counter (atomic add, acquire-release); the program that draws
   the last ticket adds the SPLITS partials in the fixed order 0..SPLITS-1 (deterministic whatever the
