@@ -28,7 +28,7 @@ from bench_linear import SHAPES, bench, graph_ms, varied
 
 COPIES = 8
 M_VALUES = (1, 4, 16)
-W_KIND = {"channel": "channel", "tensor": "tensor", "block": "block"}
+SCHEMES = ("channel", "tensor", "block")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -63,17 +63,17 @@ def main():
         lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             lin.weight.copy_(w)
-        quant = {s: quantize_weight(w, s) for s in W_KIND}
+        quant = {s: quantize_weight(w, s) for s in SCHEMES}
         wq = {s: [(q.clone(), sc.clone()) for _ in range(COPIES)] for s, (q, sc) in quant.items()}
         cnt = [split_counters(n, "cuda") for _ in range(COPIES)]
         layers = {s: [Fp8Linear.from_linear(lin, Fp8Config(scheme=Scheme(s))) for _ in range(COPIES)]
-                  for s in W_KIND}
+                  for s in SCHEMES}
         for m in M_VALUES:
             x = varied(m, k, seed=m + n, device="cuda")
             add(impl="bf16", M=m, N=n, K=k,
                 graph=graph_ms(lambda i: (lambda: torch.nn.functional.linear(x, w_copies[i])), COPIES, 5, rep),
                 eager=bench(lambda: torch.nn.functional.linear(x, w), 5, rep))
-            for s in W_KIND:
+            for s in SCHEMES:
                 act = "group" if s == "block" else "token"
                 x_q, x_s = quantize_activation(x, act)
                 ag, wg = groups[s]

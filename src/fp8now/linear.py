@@ -69,7 +69,7 @@ class Fp8Linear(nn.Module):
                                          requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
                                   requires_grad=False) if bias else None)
-        # Scratch of the triton backend's one-launch decode kernel (zero between calls; not saved).
+        # Scratch of the triton backend's decode kernel (zero between calls; not saved).
         # One per layer: the same layer must not run on two streams at once.
         self.register_buffer("split_counters", None, persistent=False)
 

@@ -2,7 +2,8 @@
 
 A backend is a module with `available(device, scheme, act_kind, n, k, batch_invariant) -> str | None`
 (None, or the reason it cannot run) and `linear(x, w_q, w_scale, bias, scheme, act_kind,
-batch_invariant, counters) -> y`. Nothing falls back silently: the choice is stored on the layer and reported.
+batch_invariant, counters) -> y`. Nothing falls back silently: the choice is stored on the layer and
+reported.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
                scheme: Scheme, act_kind: str, backend: str, batch_invariant: bool = False,
                counters: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] from x [M, K] through the named backend (quantizing x dynamically); `counters`:
-    the layer's zeroed int32 split-K counters (`triton_decode.counters_for`), used by `triton`."""
+    the layer's zeroed int32 split-K counters (`split_counters`), used by `triton`."""
     return backend_module(backend).linear(x, w_q, w_scale, bias, scheme, act_kind, batch_invariant,
                                           counters)
 

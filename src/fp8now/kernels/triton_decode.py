@@ -89,10 +89,10 @@ def _decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr
     if not ACT_GROUP and not QUANT_X:
         s_row = tl.load(xs_ptr + rm * stride_xsm)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # The activation block of the next step is loaded one step ahead (its quantization sits between
-    # the load and the MMA, which keeps the compiler's pipelining from covering it).
-    x_next = tl.load(xq_rows + (k_begin + offs_k)[None, :], mask=(k_begin + offs_k)[None, :] < k_end,
-                     other=0.0)
+    if QUANT_X:  # the activation block of the next step is loaded one step ahead (its quantization
+        # sits between the load and the MMA, which keeps the compiler's pipelining from covering it)
+        x_next = tl.load(xq_rows + (k_begin + offs_k)[None, :], mask=(k_begin + offs_k)[None, :] < k_end,
+                         other=0.0)
     for k0 in range(k_begin, k_end, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < k_end
@@ -156,8 +156,8 @@ _CHECKED_CONFIG = tg._merge_config(DECODE_CONFIG, None, block_k=tg.SCALE_BLOCK)
 
 def _plan(cfg: dict, m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int]:
     """(K per split, splits, output tiles) of a launch."""
-    k_split = tg._k_per_split(k, tg._split_k(cfg, m, n, k, device), cfg["BLOCK_K"])
-    return k_split, tg._cdiv(k, k_split), tg._cdiv(m, cfg["BLOCK_M"]) * tg._cdiv(n, cfg["BLOCK_N"])
+    k_split, splits = tg._split_sizes(cfg, m, n, k, device)
+    return k_split, splits, tg._cdiv(m, cfg["BLOCK_M"]) * tg._cdiv(n, cfg["BLOCK_N"])
 
 
 @functools.lru_cache(maxsize=1024)
@@ -225,7 +225,7 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
         k_split, splits, tiles = _default_plan(M, N, K, w_q.device)
     else:
         k_split, splits, tiles = _plan(cfg, M, N, K, w_q.device)
-    part = y if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=y.device)
+    part = tg._split_workspace(splits, y)
     if counters is not None and (counters.dtype != torch.int32 or counters.device != w_q.device):
         raise ValueError(f"counters must be a zeroed int32 tensor on {w_q.device}, got "
                          f"{counters.dtype} on {counters.device}")

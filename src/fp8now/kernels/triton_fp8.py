@@ -56,7 +56,7 @@ def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torc
            scheme: Scheme, act_kind: str, batch_invariant: bool = False,
            counters: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = quantize(x [M, K]) @ W.T + bias in x.dtype; `counters`: the layer's split-K counters."""
-    m, k = x.shape
+    m = x.shape[0]
     if m <= triton_decode.MAX_M and not batch_invariant:
         if scheme is not Scheme.BLOCK:
             x_q, x_s = triton_quant.quantize_act_token(x)

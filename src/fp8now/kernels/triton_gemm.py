@@ -226,13 +226,22 @@ def _k_per_split(k: int, split: int, block_k: int) -> int:
     return _cdiv(_cdiv(k, split), block_k) * block_k
 
 
+def _split_sizes(cfg: dict, m: int, n: int, k: int, device: torch.device) -> tuple[int, int]:
+    """(K per split, number of splits) of a launch."""
+    k_split = _k_per_split(k, _split_k(cfg, m, n, k, device), cfg["BLOCK_K"])
+    return k_split, _cdiv(k, k_split)
+
+
+def _split_workspace(splits: int, y: torch.Tensor) -> torch.Tensor:
+    """Where the GEMM kernel writes: `y` itself for one split, else a float32 workspace
+    [splits, M, N] of partial sums."""
+    return y if splits == 1 else torch.empty((splits, *y.shape), dtype=torch.float32, device=y.device)
+
+
 def _split_plan(cfg: dict, m: int, n: int, k: int, y: torch.Tensor) -> tuple[int, int, torch.Tensor]:
-    """(K per split, number of splits, where the GEMM kernel writes): `y` itself for one split,
-    else a float32 workspace [splits, M, N] of partial sums for `_reduce_splits`."""
-    k_split = _k_per_split(k, _split_k(cfg, m, n, k, y.device), cfg["BLOCK_K"])
-    splits = _cdiv(k, k_split)
-    out = y if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=y.device)
-    return k_split, splits, out
+    """(K per split, number of splits, where the GEMM kernel writes; see `_split_workspace`)."""
+    k_split, splits = _split_sizes(cfg, m, n, k, y.device)
+    return k_split, splits, _split_workspace(splits, y)
 
 
 @triton.jit
