@@ -181,6 +181,7 @@ if __name__ == "__main__":
     ap.add_argument("--no-torchao", action="store_true")
     ap.add_argument("--shapes", default="", help="subset, e.g. 4096x4096,28672x4096 (N x K)")
     ap.add_argument("--rep-ms", type=int, default=25, help="do_bench time per measurement")
+    ap.add_argument("--m-values", default="", help="subset of M, e.g. 1024,4096,16384")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_linear.py needs a CUDA GPU")
@@ -189,5 +190,7 @@ if __name__ == "__main__":
         kw = dict(m_values=[1, 16, 1024, 16384], shapes=[(4096, 4096), (28672, 4096)])
     if args.shapes:  # one shape with torchao compiled takes ~3 min on the H200: split long runs
         kw["shapes"] = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")]
+    if args.m_values:
+        kw["m_values"] = [int(v) for v in args.m_values.split(",")]
     result = run(args.out, with_torchao=not args.no_torchao, rep_ms=args.rep_ms, **kw)
     print(summary(result))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything on the H200. Usage (through the device tool):
-#   bash benchmarks/gpu_session.sh PHASES   with PHASES a comma list of: tune,decode,profile,tests,core,quant,linear,quick,memory
+#   bash benchmarks/gpu_session.sh PHASES   with PHASES a comma list of: tune,decode,probe,profile,tests,core,quant,linear,quick,memory
 # Results land in $OUT (JSON + logs); the short tables print last.
 set -uo pipefail
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
@@ -25,6 +25,10 @@ fi
 if has decode; then
   timeout 300 env PYTHONPATH=$PYTHONPATH:$PWD/benchmarks python3 benchmarks/bench_decode.py --out "$OUT" \
     ${DECODE_SHAPES:+--shapes $DECODE_SHAPES} 2>&1 | tee "$OUT/bench_decode.log" | tail -75 || rc=1
+fi
+if has probe; then  # PROBE: sections of benchmarks/probe_kernels.py (default all)
+  timeout 400 env PYTHONPATH=$PYTHONPATH:$PWD/benchmarks python3 benchmarks/probe_kernels.py ${PROBE:-} 2>&1 \
+    | grep -v "UserWarning\|warn_once" | tee "$OUT/probe.log" | tail -80
 fi
 if has profile; then
   timeout 120 python3 benchmarks/profile_launch.py 2>&1 | tee "$OUT/profile_launch.log" | head -12
@@ -51,6 +55,7 @@ if has linear; then
   # ~3 min of device time per shape with torchao compiled: pass at most 3 shapes per call, e.g.
   # LINEAR_SHAPES=4096x14336,8192x8192,8192x28672 (N x K); all seven when unset
   timeout 560 python3 benchmarks/bench_linear.py ${LINEAR_SHAPES:+--shapes $LINEAR_SHAPES} --rep-ms ${REP_MS:-25} \
+    ${LINEAR_M:+--m-values $LINEAR_M} ${LINEAR_NO_TORCHAO:+--no-torchao} \
     --out "$OUT/linear_h200.json" 2>&1 | tail -60
 fi
 exit $rc

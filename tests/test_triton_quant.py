@@ -159,8 +159,22 @@ def test_activation_matches_reference(kind, shape, dtype):
 
 @pytest.mark.parametrize("kind", ["token", "group", "tensor"])
 def test_long_rows(kind):
-    """K above the single-tile limit: the per-token kernel's two-pass loop, many groups per row."""
-    check_act(kind, make_act(2, tq._ROW_MAX_SINGLE + 300, torch.bfloat16, seed=7))
+    """K above the single-tile limit of few rows: the per-token kernel's two-pass loop in its widest
+    chunks, many groups per row."""
+    k = tq._ROW_MAX_SINGLE_FEW_ROWS + 300
+    assert tq._row_plan(2, k)[:2] == (False, 4096)
+    check_act(kind, make_act(2, k, torch.bfloat16, seed=7))
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["few-rows-one-tile", "many-rows-chunks"])
+def test_token_rows_between_the_limits(many, monkeypatch):
+    """_ROW_MAX_SINGLE < K <= _ROW_MAX_SINGLE_FEW_ROWS: few rows are held whole (one wide masked tile),
+    many rows go through the two-pass loop in 2048-wide chunks (the row count that switches is
+    lowered here so that the interpreter stays quick)."""
+    monkeypatch.setattr(tq, "_FEW_ROWS", 3)
+    m, k = (3 if many else 2), tq._ROW_MAX_SINGLE + 300
+    assert tq._row_plan(m, k)[:2] == ((False, 2048) if many else (True, 16384))
+    check_act("token", make_act(m, k, torch.bfloat16, seed=8))
 
 
 @pytest.mark.parametrize("kind", ["token", "group", "tensor"])

@@ -286,13 +286,14 @@ def _reduce_splits(part: torch.Tensor, x_s, sx: int, w_s, sw: int, bias, y: torc
 # ----------------------------------------------------------------------------------------------------
 
 # M bucket -> config, tuned for Hopper (H100/H200): 16-row tiles and split-K (auto) for decode-sized M
-# (BLOCK_N=64 won on 12 of 14 H200 decode rows), 128x128 tiles with 8 warps for prefill. BLOCK_K is the
-# scale group (128).
+# (BLOCK_N=64 won on 12 of 14 H200 decode rows), 128x128 tiles with 8 warps for prefill: 4 stages beat
+# 3 by 1.03-1.15x at M = 4096 / 16384 over 5 shapes, and 13 other tile configurations were slower
+# (benchmarks/probe_kernels.py block, H200, 2026-12-03). BLOCK_K is the scale group (128).
 _BLOCK_TABLE = (
     (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=0)),
     (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4, SPLIT_K=0)),
     (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, SPLIT_K=1)),
-    (None, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3, SPLIT_K=1)),
+    (None, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4, SPLIT_K=1)),
 )
 # One configuration for every M (SPEC §8): 64-row tiles keep wgmma usable, 64 columns keep enough
 # programs for decode-sized batches, and K is never split.

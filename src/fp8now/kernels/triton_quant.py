@@ -19,6 +19,8 @@ Public functions:
     available(device)                -> None, or why these kernels cannot run on `device`
 """
 
+import functools
+
 import torch
 
 from ..config import Scheme
@@ -29,6 +31,7 @@ from .triton_support import device_reason
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents
 
     _IMPORT_ERROR: str | None = None
 except ImportError as _e:  # the module stays importable so that `available` can say why
@@ -44,10 +47,20 @@ except ImportError as _e:  # the module stays importable so that `available` can
             return fn if fn is not None else (lambda f: f)
 
     triton = tl = _NoTriton()  # type: ignore[assignment]
+    gdc_launch_dependents = None
 
 GROUP = 128         # activation group width and weight block edge (SPEC §3)
-_ROW_MAX_SINGLE = 16384  # per-token: rows up to this many elements are held in registers whole
-_ROW_CHUNK = 4096   # per-token: longer rows are read twice in chunks of this many (2nd read from L2)
+# Per token: a row of up to _ROW_MAX_SINGLE elements is held in registers whole; longer rows are
+# read twice (amax, then quantize: the 2nd read hits L2) in chunks. H200, M = 16384 (BENCHMARKS.md):
+# whole rows give 3.2-3.5 TB/s up to K = 8192 but 2.2 TB/s at K = 14336 (a 16384-wide tile, 12% of
+# it masked, few programs per SM), where 2048-wide chunks give 3.4 TB/s; at K = 28672, 4096-wide
+# chunks with 8 warps (3.5 TB/s; 2048 wide: 2.75, too many rows in flight for L2 to hold both reads).
+# With few rows (decode: every row its own program) the one-shot load of a whole row has the least
+# latency, so rows stay whole up to _ROW_MAX_SINGLE_FEW_ROWS there.
+_ROW_MAX_SINGLE = 8192
+_ROW_MAX_SINGLE_FEW_ROWS = 16384
+_FEW_ROWS = 256
+_ROW_CHUNKS = ((16384, 2048, 8), (None, 4096, 8))   # (K up to, chunk width, warps), rows read twice
 
 
 def _pow2(n: int) -> int:
@@ -104,7 +117,10 @@ def _to_fp8(y, q_ptr, FMAX: tl.constexpr):
 @triton.jit
 def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm,
                       FMAX: tl.constexpr, FLOOR: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE: tl.constexpr,
+                      EARLY: tl.constexpr):
+    if EARLY:  # let a programmatic dependent launch of the next kernel start now (sm_90+)
+        gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     rows64 = rows.to(tl.int64)
@@ -136,29 +152,50 @@ def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm,
     tl.store(s_ptr + rows64, s, mask=row_ok)
 
 
-def _launch_row(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8Format) -> None:
+@functools.lru_cache(maxsize=8)
+def _sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _early_ok(x: torch.Tensor, early_launch: bool) -> bool:
+    return early_launch and _sm90(x.device)
+
+
+def _row_plan(M: int, K: int) -> tuple[bool, int, int, int]:
+    """(whole rows?, BLOCK_K, BLOCK_M, warps) of the per-token kernel for x [M, K]."""
+    if K <= (_ROW_MAX_SINGLE if M >= _FEW_ROWS else _ROW_MAX_SINGLE_FEW_ROWS):
+        block_k = max(_pow2(K), 16)
+        block_m = max(1, min(2048 // block_k, _pow2(M), 64))
+        return True, block_k, block_m, _warps(block_m * block_k)
+    block_k, warps = next((w, nw) for k_max, w, nw in _ROW_CHUNKS if k_max is None or K <= k_max)
+    return False, block_k, 1, warps
+
+
+def _launch_row(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8Format,
+                early_launch: bool = False) -> None:
     """Per-row quantization of x2 [M, K] into q [M, K] (row stride free) and s [M] (contiguous)."""
     M, K = x2.shape
     if M == 0:
         return
-    if K <= _ROW_MAX_SINGLE:
-        block_k, single = max(_pow2(K), 16), True
-    else:
-        block_k, single = _ROW_CHUNK, False
-    block_m = max(1, min(2048 // block_k, _pow2(M), 64))
+    single, block_k, block_m, warps = _row_plan(M, K)
     _row_quant_kernel[(triton.cdiv(M, block_m),)](
         x2, q, s, M, K, x2.stride(0), q.stride(0),
         FMAX=fmt.fmax, FLOOR=fmt.min_scale, BLOCK_M=block_m, BLOCK_K=block_k, SINGLE=single,
-        num_warps=_warps(block_m * block_k))
+        EARLY=_early_ok(x2, early_launch), num_warps=warps)
 
 
-def quantize_act_token(x: torch.Tensor, fmt: Fp8Format = E4M3FN) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token FP8: `x [..., K]` -> `(q [M, K] fp8, s [M, 1] float32)`, rule "row" (SPEC §4)."""
+def quantize_act_token(x: torch.Tensor, fmt: Fp8Format = E4M3FN, *, early_launch: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token FP8: `x [..., K]` -> `(q [M, K] fp8, s [M, 1] float32)`, rule "row" (SPEC §4).
+
+    `early_launch` (sm_90+; ignored elsewhere): every program first signals that a kernel launched
+    next as a programmatic dependent (`triton_decode.decode_linear(..., pdl=True)`) may start.
+    """
     x2 = _rows(x, "quantize_act_token")
     M, K = x2.shape
     q = torch.empty((M, K), dtype=fmt.dtype, device=x2.device)
     s = torch.empty((M, 1), dtype=torch.float32, device=x2.device)
-    _launch_row(x2, q, s, fmt)
+    _launch_row(x2, q, s, fmt, early_launch)
     return q, s
 
 
@@ -169,7 +206,10 @@ def quantize_act_token(x: torch.Tensor, fmt: Fp8Format = E4M3FN) -> tuple[torch.
 @triton.jit
 def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg,
                         FMAX: tl.constexpr, FLOOR: tl.constexpr,
-                        BLOCK_M: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
+                        EARLY: tl.constexpr):
+    if EARLY:  # as in _row_quant_kernel
+        gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     row_ok = rows < M
@@ -188,12 +228,13 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_
              mask=row_ok[:, None] & (groups < n_groups)[None, :])
 
 
-def quantize_act_group(x: torch.Tensor, col_major: bool = False, fmt: Fp8Format = E4M3FN
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act_group(x: torch.Tensor, col_major: bool = False, fmt: Fp8Format = E4M3FN, *,
+                       early_launch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-1x128-group FP8: `x [..., K]` -> `(q [M, K], s [M, ceil(K/128)])`, rule "group".
 
     `col_major=True` returns the same scale values with strides (1, M) (storage [ceil(K/128), M],
-    transposed), the layout torch's blockwise `_scaled_mm` expects.
+    transposed), the layout torch's blockwise `_scaled_mm` expects. `early_launch`: as in
+    `quantize_act_token`.
     """
     x2 = _rows(x, "quantize_act_group")
     M, K = x2.shape
@@ -211,7 +252,7 @@ def quantize_act_group(x: torch.Tensor, col_major: bool = False, fmt: Fp8Format 
     _group_quant_kernel[grid](
         x2, q, s, M, K, x2.stride(0), q.stride(0), s.stride(0), s.stride(1),
         FMAX=fmt.fmax, FLOOR=GROUP_AMAX_FLOOR, BLOCK_M=block_m, GROUPS=groups, GROUP_K=GROUP,
-        num_warps=_warps(block_m * groups * GROUP))
+        EARLY=_early_ok(x2, early_launch), num_warps=_warps(block_m * groups * GROUP))
     return q, s
 
 

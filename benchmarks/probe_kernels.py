@@ -1,0 +1,359 @@
+"""Probes for the open items of issue 4, one device call (H200). Each section checks its results
+against a reference before timing; all rows go to OUT/probe.json, short tables print last.
+
+Sections (argv: a comma list, default all):
+- `large`: where the time of a large-M channel/tensor/block layer goes. do_bench (L2 flushed) of the
+  layer, of its quantizer and its GEMM alone, and the CUDA kernels the layer launches (torch.profiler).
+- `quant`: per-token quantizer configurations at large K (bytes checked against the shipped config).
+- `block`: the Triton block GEMM at large M over tile configurations (smaller tiles let two or three
+  programs share an SM, so one's MMAs can overlap another's scale promotion: a manual software
+  pipeline inside one program does not, since Triton places the MMA wait right after its issue).
+- `cublas`: cuBLAS blockwise at K > 8192, whole (wrong at K = 14336 on 2026-12-02) and in K chunks
+  with float32 partials, each checked against the float64 product.
+- `decode`: programmatic dependent launch (PDL) and L2 prefetch in the decode kernel, GPU time in
+  CUDA graphs; PDL results checked bit-identical to the plain launch, eager and replayed.
+
+`PYTHONPATH=src:benchmarks python benchmarks/probe_kernels.py [sections]`
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+
+from bench_linear import bench, graph_ms, varied
+
+OUT = os.environ.get("OUT", ".")
+ROWS: list[dict] = []
+
+
+def add(**r):
+    ROWS.append(r)
+    with open(os.path.join(OUT, "probe.json"), "w") as f:
+        json.dump(ROWS, f, indent=1)
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
+
+
+def kernels_of(fn, calls=3) -> list[tuple[str, float]]:
+    """(kernel name, mean device µs per layer call) of the CUDA kernels `fn` launches."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0.0)
+        if t > 0:
+            out.append((e.key[:90], t / calls))
+    return sorted(out, key=lambda r: -r[1])
+
+
+# ------------------------------------------------------------------------------------------------
+def section_large():
+    from fp8now import Fp8Config, Fp8Linear, Scheme
+    from fp8now.kernels import torch_mm, triton_gemm as tg, triton_quant as tq
+    cases = [(16384, 4096, 4096), (16384, 8192, 8192), (16384, 4096, 14336), (4096, 4096, 14336),
+             (16384, 8192, 28672)]
+    for m, n, k in cases:
+        lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(varied(n, k, seed=n + k, device="cuda"))
+        x = varied(m, k, seed=m + k, device="cuda")
+        base = dict(M=m, N=n, K=k)
+        add(sec="large", impl="bf16", ms=bench(lambda: torch.nn.functional.linear(x, lin.weight), 5, 25), **base)
+        for scheme in ("channel", "tensor", "block"):
+            layer = Fp8Linear.from_linear(lin, Fp8Config(scheme=Scheme(scheme)))
+            w, ws = layer.weight, layer.weight_scale
+            add(sec="large", impl=f"{scheme}-layer", ms=bench(lambda: layer(x), 5, 25),
+                kernels=kernels_of(lambda: layer(x)), **base)
+            if scheme == "block":
+                xq, xs = tq.quantize_act_group(x)
+                add(sec="large", impl="block-quant", ms=bench(lambda: tq.quantize_act_group(x), 5, 25), **base)
+                add(sec="large", impl="block-triton-gemm",
+                    ms=bench(lambda: tg.block_gemm(xq, xs, w, ws), 5, 25), **base)
+                if torch_mm.blockwise_unfit(k) is None:
+                    xqc, xsc = tq.quantize_act_group(x, col_major=True)
+                    add(sec="large", impl="block-quant-colmajor",
+                        ms=bench(lambda: tq.quantize_act_group(x, col_major=True), 5, 25), **base)
+                    add(sec="large", impl="block-cublas-gemm", ms=bench(
+                        lambda: torch_mm.blockwise_mm(xqc, xsc, w, ws, None, torch.bfloat16), 5, 25), **base)
+            else:
+                xq, xs = tq.quantize_act_token(x)
+                add(sec="large", impl=f"{scheme}-quant", ms=bench(lambda: tq.quantize_act_token(x), 5, 25), **base)
+                add(sec="large", impl=f"{scheme}-rowwise_mm", ms=bench(
+                    lambda: torch_mm.rowwise_mm(xq, xs, w, ws, None, torch.bfloat16), 5, 25), **base)
+                wsr = ws.reshape(1, -1).expand(1, n).contiguous()
+                add(sec="large", impl=f"{scheme}-bare_scaled_mm", ms=bench(lambda: torch._scaled_mm(
+                    xq, w.t(), xs, wsr, out_dtype=torch.bfloat16), 5, 25), **base)
+                add(sec="large", impl=f"{scheme}-quant+mm", ms=bench(
+                    lambda: torch_mm.rowwise_mm(*tq.quantize_act_token(x), w, ws, None, torch.bfloat16),
+                    5, 25), **base)
+            del layer
+        del lin, x
+        torch.cuda.empty_cache()
+        print(f"large {m}x{n}x{k} done", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+def section_quant():
+    from fp8now.kernels import triton_quant as tq
+    from fp8now.numerics import E4M3FN
+    for m, k in [(16384, 4096), (16384, 8192), (16384, 14336), (16384, 28672), (4096, 14336)]:
+        x = varied(m, k, seed=k, device="cuda")
+        q0, s0 = tq.quantize_act_token(x)
+        gb = m * k * 3 / 1e9
+        ms = bench(lambda: tq.quantize_act_token(x), 5, 25)
+        add(sec="quant", impl="shipped", M=m, K=k, ms=ms, tbs=gb / ms)
+        cfgs = []
+        if k <= 16384:
+            for w in (8, 16, 32):
+                cfgs.append((True, 1 << (k - 1).bit_length(), 1, w))
+        for bk in (1024, 2048, 4096, 8192):
+            for bm in (1, 2, 4):
+                for w in (4, 8, 16):
+                    if bm * bk // (w * 32) in (4, 8, 16, 32):
+                        cfgs.append((False, bk, bm, w))
+        for single, bk, bm, w in cfgs:
+            q = torch.empty_like(q0)
+            s = torch.empty_like(s0)
+
+            def run():
+                tq._row_quant_kernel[(triton.cdiv(m, bm),)](
+                    x, q, s, m, k, x.stride(0), q.stride(0), FMAX=E4M3FN.fmax, FLOOR=E4M3FN.min_scale,
+                    BLOCK_M=bm, BLOCK_K=bk, SINGLE=single, EARLY=False, num_warps=w)
+            try:
+                run()
+                same = bool(torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0))
+                ms = bench(run, 5, 15)
+                add(sec="quant", impl=f"{'single' if single else 'chunk'} bk={bk} bm={bm} w={w}", M=m, K=k,
+                    ms=ms, tbs=gb / ms, same=same)
+            except Exception as e:
+                add(sec="quant", impl=f"single={single} bk={bk} bm={bm} w={w}", M=m, K=k,
+                    fail=f"{type(e).__name__}: {e}"[:200])
+        del x, q0, s0
+        torch.cuda.empty_cache()
+        print(f"quant {m}x{k} done", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+def section_block():
+    from fp8now.kernels import triton_gemm as tg, triton_quant as tq
+    from fp8now.numerics import quantize_weight
+    configs = [(128, 128, 8, 3, 8), (128, 128, 8, 4, 8), (128, 128, 4, 3, 8), (64, 128, 4, 4, 8),
+               (64, 128, 4, 3, 8), (128, 64, 4, 4, 8), (64, 256, 8, 3, 8), (128, 256, 8, 3, 8),
+               (256, 128, 8, 3, 8), (128, 128, 8, 3, 16), (64, 64, 4, 4, 8), (128, 64, 4, 3, 8),
+               (64, 128, 4, 5, 8)]
+    for m, n, k in [(16384, 4096, 14336), (16384, 8192, 28672), (4096, 8192, 28672), (16384, 8192, 8192),
+                    (16384, 4096, 4096)]:
+        w = varied(n, k, seed=n * 3 + k, device="cuda")
+        x = varied(m, k, seed=m + 5 * k, device="cuda")
+        wq, ws = quantize_weight(w, "block")
+        xq, xs = tq.quantize_act_group(x)
+        ref = tg.block_gemm(xq, xs, wq, ws, out_dtype=torch.float32)
+        flops = 2 * m * n * k
+        ms = bench(lambda: torch.nn.functional.linear(x, w), 5, 25)
+        add(sec="block", impl="bf16", M=m, N=n, K=k, ms=ms, tflops=flops / ms / 1e9)
+        for bm, bn, nw, ns, g in configs:
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns, GROUP_M=g, SPLIT_K=1)
+            name = f"triton {bm}x{bn} w{nw} s{ns} g{g}"
+            try:
+                err = rel(tg.block_gemm(xq, xs, wq, ws, out_dtype=torch.float32, config=cfg), ref)
+                ms = bench(lambda: tg.block_gemm(xq, xs, wq, ws, config=cfg), 5, 20)
+                add(sec="block", impl=name, M=m, N=n, K=k, ms=ms, tflops=flops / ms / 1e9, err=err)
+            except Exception as e:
+                add(sec="block", impl=name, M=m, N=n, K=k, fail=f"{type(e).__name__}: {e}"[:200])
+        del w, x, wq, ws, xq, xs, ref
+        torch.cuda.empty_cache()
+        print(f"block {m}x{n}x{k} done", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+def section_decode():
+    from fp8now.kernels import split_counters, triton_decode as td, triton_gemm as tg, triton_quant as tq
+    from fp8now.numerics import quantize_weight
+    copies = 8
+    for n, k in [(4096, 4096), (6144, 4096), (8192, 8192), (4096, 14336), (28672, 4096), (8192, 28672)]:
+        w = varied(n, k, seed=n + 3 * k, device="cuda")
+        wq = {s: [tuple(t.clone() for t in quantize_weight(w, s)) for _ in range(copies)]
+              for s in ("channel", "block")}
+        cnt = [split_counters(n, "cuda") for _ in range(copies)]
+        for m in (1, 4, 16):
+            x = varied(m, k, seed=m + n, device="cuda")
+            base = dict(M=m, N=n, K=k)
+            add(sec="decode", impl="bf16", graph=graph_ms(
+                lambda i: (lambda: torch.nn.functional.linear(x, w)), copies, 5, 20), **base)
+
+            def tok(i, pf=False, pdl=False):
+                q, s = tq.quantize_act_token(x, early_launch=pdl)
+                return td.decode_linear(q, *wq["channel"][i], "channel", "token", x_scale=s, counters=cnt[i],
+                                        prefetch=pf, pdl=pdl)
+
+            def grp(i, pf=False, pdl=False):
+                q, s = tq.quantize_act_group(x, early_launch=pdl)
+                return td.decode_linear(q, *wq["block"][i], "block", "group", x_scale=s, counters=cnt[i],
+                                        prefetch=pf, pdl=pdl)
+            calls = {
+                "channel-pre": tok,
+                "channel-pre+pf": lambda i: tok(i, pf=True),
+                "channel-pre+pdl": lambda i: tok(i, pdl=True),
+                "channel-pre+pdl+pf": lambda i: tok(i, pf=True, pdl=True),
+                "block-old": lambda i: tg.block_gemm(*tq.quantize_act_group(x), *wq["block"][i]),
+                "block-pre": grp,
+                "block-pre+pdl+pf": lambda i: grp(i, pf=True, pdl=True),
+            }
+            if m == 1:
+                calls["channel-fused"] = lambda i: td.decode_linear(x, *wq["channel"][i], "channel", "token",
+                                                                    counters=cnt[i])
+                calls["channel-fused+pf"] = lambda i: td.decode_linear(x, *wq["channel"][i], "channel",
+                                                                       "token", counters=cnt[i], prefetch=True)
+                calls["block-fused"] = lambda i: td.decode_linear(x, *wq["block"][i], "block", "group",
+                                                                  counters=cnt[i])
+                calls["block-fused+pf"] = lambda i: td.decode_linear(x, *wq["block"][i], "block", "group",
+                                                                     counters=cnt[i], prefetch=True)
+            want = {"channel": tok(0), "block": grp(0)}
+            for name, call in calls.items():
+                scheme = name.split("-")[0]
+                try:
+                    y = call(0)
+                    same = bool(torch.equal(y, want[scheme]))
+                    err = rel(y, want[scheme])
+                    # replayed: a graph of 8 calls on copy 0, outputs compared after each replay
+                    ys = []
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        for _ in range(8):
+                            ys.append(call(0))
+                    replay_same = True
+                    for _ in range(20):
+                        g.replay()
+                        torch.cuda.synchronize()
+                        replay_same &= all(bool(torch.equal(t, want[scheme])) for t in ys)
+                    del g, ys
+                    add(sec="decode", impl=name, graph=graph_ms(lambda i, call=call: (lambda: call(i)),
+                                                                copies, 5, 20),
+                        same=same, replay_same=replay_same, err=err, **base)
+                except Exception as e:
+                    add(sec="decode", impl=name, fail=f"{type(e).__name__}: {e}"[:300], **base)
+        del w, wq, cnt
+        torch.cuda.empty_cache()
+        print(f"decode {n}x{k} done", file=sys.stderr, flush=True)
+
+
+def section_cublas():
+    """cuBLAS blockwise (torch._scaled_mm, 1x128 x 128x128) at K > 8192, whole and cut into K chunks
+    with float32 partial outputs, against the float64 product of the same FP8 operands."""
+    from fp8now.kernels import torch_mm, triton_gemm as tg, triton_quant as tq
+    from fp8now.numerics import dequantize, quantize_weight
+    for m, n, k in [(16384, 4096, 14336), (4096, 4096, 14336), (1024, 4096, 14336), (256, 4096, 14336),
+                    (16384, 8192, 28672), (4096, 8192, 8192), (4096, 4096, 10240), (4096, 4096, 12288)]:
+        w = varied(n, k, seed=n * 5 + k, device="cuda")
+        x = varied(m, k, seed=m + 7 * k, device="cuda")
+        wq, ws = quantize_weight(w, "block")
+        xq, xs = tq.quantize_act_group(x, col_major=True)
+        ref = dequantize(xq, xs, (1, 128)).double() @ dequantize(wq, ws, (128, 128)).double().T
+        base = dict(M=m, N=n, K=k)
+        add(sec="cublas", impl="bf16", ms=bench(lambda: torch.nn.functional.linear(x, w), 5, 20), **base)
+        add(sec="cublas", impl="triton-block", err=rel(tg.block_gemm(xq, xs, wq, ws, out_dtype=torch.float32), ref),
+            ms=bench(lambda: tg.block_gemm(xq, xs, wq, ws), 5, 20), **base)
+        variants = {"whole-bf16": lambda: torch._scaled_mm(xq, wq.t(), xs, ws.t(), out_dtype=torch.bfloat16),
+                    "whole-f32": lambda: torch._scaled_mm(xq, wq.t(), xs, ws.t(), out_dtype=torch.float32)}
+        for chunk in (4096, 7168, 8192):
+            if k > chunk and k % chunk == 0 or (k > chunk and (k % chunk) % 512 == 0):
+                variants[f"chunks{chunk}-lib"] = (lambda c=chunk: torch_mm.blockwise_mm(
+                    xq, xs, wq, ws, None, torch.bfloat16, k_chunk=c))
+
+                def strided(c=chunk):
+                    y = None
+                    for a in range(0, k, c):
+                        b = min(k, a + c)
+                        part = torch._scaled_mm(xq[:, a:b], wq[:, a:b].t(), xs[:, a // 128:b // 128],
+                                                ws[:, a // 128:b // 128].t(), out_dtype=torch.float32)
+                        y = part if y is None else y.add_(part)
+                    return y
+                variants[f"chunks{chunk}-strided"] = strided
+        for name, fn in variants.items():
+            try:
+                err = rel(fn(), ref)
+                add(sec="cublas", impl=name, err=err, ms=bench(fn, 5, 20), **base)
+            except Exception as e:
+                add(sec="cublas", impl=name, fail=f"{type(e).__name__}: {e}"[:200], **base)
+        del w, x, wq, ws, xq, xs, ref
+        torch.cuda.empty_cache()
+        print(f"cublas {m}x{n}x{k} done", file=sys.stderr, flush=True)
+
+
+def table():
+    print("\n== cublas blockwise (x = bf16 / this; err vs float64)")
+    bfc = {(r["M"], r["N"], r["K"]): r["ms"] for r in ROWS if r.get("sec") == "cublas" and r["impl"] == "bf16"}
+    for r in ROWS:
+        if r.get("sec") == "cublas" and r["impl"] != "bf16":
+            key = (r["M"], r["N"], r["K"])
+            if "fail" in r:
+                print(f"{key} {r['impl']:22} FAILED {r['fail'][:120]}")
+            else:
+                print(f"{key} {r['impl']:22} {1e3 * r['ms']:9.1f} us {bfc[key] / r['ms']:5.2f}x err {r['err']:.1e}")
+    print("\n== large (ms; x = bf16 / this)")
+    bf = {(r["M"], r["N"], r["K"]): r["ms"] for r in ROWS if r.get("sec") == "large" and r["impl"] == "bf16"}
+    for r in ROWS:
+        if r.get("sec") == "large" and r["impl"] != "bf16":
+            key = (r["M"], r["N"], r["K"])
+            kern = "; ".join(f"{nm[:40]} {us:.0f}" for nm, us in r.get("kernels", [])[:4])
+            print(f"{r['M']:>6} {r['N']:>6} {r['K']:>6} {r['impl']:24} {1e3 * r['ms']:9.1f} us "
+                  f"{bf[key] / r['ms']:5.2f}x  {kern}")
+    print("\n== quant (best 3 per shape, and shipped)")
+    for key in sorted({(r["M"], r["K"]) for r in ROWS if r.get("sec") == "quant"}):
+        rs = [r for r in ROWS if r.get("sec") == "quant" and (r["M"], r["K"]) == key and "ms" in r]
+        ship = [r for r in rs if r["impl"] == "shipped"]
+        best = sorted([r for r in rs if r.get("same")], key=lambda r: r["ms"])[:3]
+        for r in ship + best:
+            print(f"{key[0]:>6} {key[1]:>6} {r['impl']:28} {1e3 * r['ms']:8.1f} us {r['tbs']:5.2f} TB/s")
+        bad = [r["impl"] for r in rs if r.get("same") is False]
+        if bad:
+            print(f"   BYTES DIFFER: {bad}")
+    print("\n== block (TFLOP/s; best 4 and bf16)")
+    for key in sorted({(r["M"], r["N"], r["K"]) for r in ROWS if r.get("sec") == "block"}):
+        rs = [r for r in ROWS if r.get("sec") == "block" and (r["M"], r["N"], r["K"]) == key and "ms" in r]
+        for r in [r for r in rs if r["impl"] == "bf16"] + sorted(
+                [r for r in rs if r["impl"] != "bf16"], key=lambda r: r["ms"])[:4]:
+            print(f"{key} {r['impl']:28} {1e3 * r['ms']:9.1f} us {r['tflops']:7.0f} err {r.get('err', 0):.1e}")
+        worst = max((r.get("err", 0) for r in rs), default=0)
+        fails = [r["impl"] for r in ROWS if r.get("sec") == "block" and (r["M"], r["N"], r["K"]) == key
+                 and "fail" in r]
+        print(f"   max err {worst:.1e}; failed: {fails}")
+    print("\n== decode (graph us; x = bf16 / this)")
+    bfd = {(r["M"], r["N"], r["K"]): r["graph"] for r in ROWS if r.get("sec") == "decode" and r["impl"] == "bf16"}
+    for r in ROWS:
+        if r.get("sec") == "decode" and r["impl"] != "bf16":
+            key = (r["M"], r["N"], r["K"])
+            if "fail" in r:
+                print(f"{key} {r['impl']:22} FAILED {r['fail'][:100]}")
+                continue
+            print(f"{r['M']:>3} {r['N']:>6} {r['K']:>6} {r['impl']:22} {1e3 * r['graph']:7.1f} "
+                  f"{bfd[key] / r['graph']:5.2f}x same={r['same']} replay={r['replay_same']} err={r['err']:.1e}")
+
+
+if __name__ == "__main__":
+    wanted = (sys.argv[1] if len(sys.argv) > 1 else "decode,large,quant,block").split(",")
+    t0 = time.time()
+    for sec in wanted:
+        try:
+            globals()[f"section_{sec}"]()
+        except Exception as e:  # keep the other sections
+            import traceback
+            traceback.print_exc()
+            add(sec=sec, fail=f"{type(e).__name__}: {e}"[:300])
+        print(f"[{sec}] done at {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+    table()
