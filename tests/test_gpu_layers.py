@@ -117,6 +117,41 @@ def test_batch_invariant(scheme):
         assert torch.equal(got[:rows], want[:rows]), (scheme, m)
 
 
+@pytest.mark.parametrize("scheme", [Scheme.CHANNEL, Scheme.TENSOR])
+@pytest.mark.parametrize("m", [1, 4])
+def test_decode_pdl_launch_reads_the_fresh_activation(scheme, m):
+    """At M <= PDL_MAX_M the decode kernel starts while the quantizer still runs (programmatic
+    dependent launch). Each call's input is written by a kernel right before the call: every output
+    must equal the plain launch's bytes for that input, eager and replayed in a CUDA graph."""
+    from fp8now.kernels import triton_decode, triton_fp8, triton_quant
+    assert m <= triton_fp8.PDL_MAX_M
+    lin, layer = layer_for(4096, 4096, scheme, "triton", bias=False)
+    xs = [varied((m, 4096), torch.float32, seed=m * 100 + i, spread=3).cuda().to(torch.bfloat16)
+          for i in range(20)]
+
+    def plain(x):
+        q, s = triton_quant.quantize_act_token(x)
+        return triton_decode.decode_linear(q, layer.weight, layer.weight_scale, scheme.value, "token",
+                                           x_scale=s, out_dtype=x.dtype, pdl=False)
+    want = [plain(x) for x in xs]
+    check_exact(layer, lin, xs[0])
+    buf = torch.empty_like(xs[0])
+    got = []
+    for x in xs:
+        buf.copy_(x)
+        got.append(layer(buf))
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    graph = torch.cuda.CUDAGraph()
+    layer(buf)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        y = layer(buf)
+    for x, w in zip(xs, want):
+        buf.copy_(x)
+        graph.replay()
+        assert torch.equal(y, w)
+
+
 @pytest.mark.parametrize("scheme", list(Scheme))
 def test_compile_fullgraph_and_cuda_graph(scheme):
     lin, layer = layer_for(1024, 2048, scheme, "auto")

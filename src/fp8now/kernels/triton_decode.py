@@ -33,8 +33,10 @@ from .triton_quant import _abs_bits, _as_f32, _to_fp8
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_wait
 except ImportError:  # triton_gemm's stand-ins keep the definitions parseable; available() says why
     triton, tl = tg.triton, tg.tl
+    gdc_wait = None
 
 ACTS = ("token", "group")
 W_KINDS = ("tensor", "channel", "block")
@@ -57,7 +59,8 @@ def _decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr
                    ACT_GROUP: tl.constexpr, QUANT_X: tl.constexpr, ROWS: tl.constexpr,
                    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
                    FMAX: tl.constexpr, TOKEN_FLOOR: tl.constexpr, GROUP_FLOOR: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr):
     # ROWS: activation rows a program quantizes: BLOCK_M, or 1 when M == 1 (that row is quantized
     # once and broadcast to the MMA's BLOCK_M rows, instead of quantizing BLOCK_M copies of it).
     tile = tl.program_id(0)
@@ -75,6 +78,9 @@ def _decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr
     k_end = tl.minimum(K, k_begin + K_SPLIT)
     xq_rows = x_ptr + rq[:, None] * stride_xm                                        # [ROWS, 1]
     w_cols = w_ptr + rn[None, :] * stride_wn
+    if PDL:  # launched early (programmatic dependent launch): wait for the previous kernel's writes
+        # before the first memory access (only the launch and the address arithmetic overlap it)
+        gdc_wait()
     # Per token: the row scale first (quantizing here: the amax over all of K of this tile's rows).
     s_q = tl.zeros((ROWS,), dtype=tl.float32)
     if not ACT_GROUP:
@@ -160,6 +166,12 @@ def _plan(cfg: dict, m: int, n: int, k: int, device: torch.device) -> tuple[int,
     return k_split, splits, tg._cdiv(m, cfg["BLOCK_M"]) * tg._cdiv(n, cfg["BLOCK_N"])
 
 
+@functools.lru_cache(maxsize=8)
+def _sm90(device: torch.device) -> bool:
+    """Programmatic dependent launch needs sm_90+ (and a compiled kernel, never the interpreter)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 @functools.lru_cache(maxsize=1024)
 def _default_plan(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int]:
     return _plan(_CHECKED_CONFIG, m, n, k, device)
@@ -168,12 +180,16 @@ def _default_plan(m: int, n: int, k: int, device: torch.device) -> tuple[int, in
 def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind: str, act: str,
                   bias: torch.Tensor | None = None, *, x_scale: torch.Tensor | None = None,
                   counters: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                  config: dict | None = None) -> torch.Tensor:
+                  config: dict | None = None, pdl: bool = False) -> torch.Tensor:
     """y [M, N] = quantize(x [M, K]) @ W.T (+ bias) in one launch, for M <= MAX_M.
 
     w_kind "tensor" (w_s 0-d / [1]) or "channel" (w_s [N, 1]) with act "token"; w_kind "block"
     (w_s [ceil(N/128), ceil(K/128)]) with act "group". `x` is bf16/fp16/fp32 and quantized in the
     kernel, or already FP8 with its `x_scale` (per token [M, 1], per group [M, ceil(K/128)], any strides).
+
+    `pdl` (sm_90+; ignored elsewhere and under torch.compile): launch as a programmatic dependent of
+    the previous kernel in the stream, which lets it start while that kernel runs (it waits for that
+    kernel's writes before touching memory); pair it with `quantize_act_token(..., early_launch=True)`.
     """
     tg._require_triton()
     if act not in ACTS or w_kind not in W_KINDS or (act == "group") != (w_kind == "block"):
@@ -231,6 +247,7 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
                          f"{counters.dtype} on {counters.device}")
     if splits > 1 and (counters is None or counters.numel() < tiles):
         counters = torch.zeros(tiles, dtype=torch.int32, device=w_q.device)
+    launch = {"launch_pdl": True} if pdl and _sm90(w_q.device) and not torch.compiler.is_compiling() else {}
     _decode_kernel[(tiles, splits)](
         x2, x_scale if x_scale is not None else w_s, w_q, w_s, bias if bias is not None else w_s, y, part,
         counters if counters is not None else w_s, 1.0,
@@ -238,5 +255,6 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
         ACT_GROUP=act == "group", QUANT_X=quant_x, ROWS=1 if M == 1 else cfg["BLOCK_M"], SPLITS=splits,
         HAS_BIAS=bias is not None, FMAX=E4M3FN.fmax, TOKEN_FLOOR=E4M3FN.min_scale,
         GROUP_FLOOR=GROUP_AMAX_FLOOR, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BLOCK_K=cfg["BLOCK_K"], PDL=bool(launch),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch)
     return y

@@ -6,6 +6,8 @@ Per call, by M (the thresholds are the dispatch data, measured on the H200, BENC
     rows, a split-K GEMM that reduces its own splits (two launches; the same GPU time as quantizer +
     split-K GEMM + reduce kernel: 0.97-1.07x faster over the 42 tensor and channel rows; quantizing
     inside the kernel lost almost everywhere: every program first reads its rows over all of K).
+    At M <= PDL_MAX_M the decode kernel is a programmatic dependent launch (sm_90): it starts while
+    the quantizer runs (1.00-1.09x faster over the 12 measured rows at M = 1 and 4, mixed at 16).
   - block, M = 1 and N <= FUSED_BLOCK_MAX_N: `decode_linear` quantizing the 1x128 groups itself
     (one launch; 1.03-1.12x faster than the three-launch path at N <= 8192, 0.84-0.95x at N >= 28672).
   - block otherwise: the Triton group quantizer, then the split-K Triton block GEMM (its reduce
@@ -32,6 +34,7 @@ from . import torch_mm, triton_decode, triton_gemm, triton_quant
 
 TRITON_MAX_M = {"rowwise": 64, "block": 32}   # at or below: the Triton GEMMs (split-K for decode)
 FUSED_BLOCK_MAX_N = 8192  # block, M = 1: quantize inside the decode kernel up to this many outputs
+PDL_MAX_M = 4             # tensor / channel decode: programmatic dependent launch up to this M
 BLOCK_GEMM = "torch"    # "torch" (blockwise F.scaled_mm) or "triton" above TRITON_MAX_M["block"]
 
 
@@ -59,9 +62,10 @@ def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torc
     m = x.shape[0]
     if m <= triton_decode.MAX_M and not batch_invariant:
         if scheme is not Scheme.BLOCK:
-            x_q, x_s = triton_quant.quantize_act_token(x)
+            pdl = m <= PDL_MAX_M
+            x_q, x_s = triton_quant.quantize_act_token(x, early_launch=pdl)
             return triton_decode.decode_linear(x_q, w_q, w_scale, scheme.value, "token", bias,
-                                               x_scale=x_s, counters=counters, out_dtype=x.dtype)
+                                               x_scale=x_s, counters=counters, out_dtype=x.dtype, pdl=pdl)
         if m == 1 and w_q.shape[0] <= FUSED_BLOCK_MAX_N:
             return triton_decode.decode_linear(x, w_q, w_scale, "block", "group", bias, counters=counters)
     if scheme is Scheme.BLOCK:
