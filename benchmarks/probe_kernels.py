@@ -8,8 +8,10 @@ Sections (argv: a comma list, default all):
 - `block`: the Triton block GEMM at large M over tile configurations (smaller tiles let two or three
   programs share an SM, so one's MMAs can overlap another's scale promotion: a manual software
   pipeline inside one program does not, since Triton places the MMA wait right after its issue).
-- `cublas`: cuBLAS blockwise at K > 8192, whole (wrong at K = 14336 on 2026-12-02) and in K chunks
-  with float32 partials, each checked against the float64 product.
+- `cublas`: cuBLAS blockwise at K > 8192, whole and in K chunks with float32 partials, each checked
+  against the float64 product (on this section's data it was right).
+- `cublas_data`: the same GEMM on check_core_gpu's data and on other seeds, whole and per K slice, and
+  with unit scales: where cuBLAS blockwise is wrong (BENCHMARKS.md).
 - `decode`: programmatic dependent launch (PDL) and L2 prefetch in the decode kernel, GPU time in
   CUDA graphs; PDL results checked bit-identical to the plain launch, eager and replayed.
 
@@ -293,6 +295,46 @@ def section_cublas():
         del w, x, wq, ws, xq, xs, ref
         torch.cuda.empty_cache()
         print(f"cublas {m}x{n}x{k} done", file=sys.stderr, flush=True)
+
+
+def section_cublas_data():
+    """Why check_core_gpu's data (magnitudes 2^+-4 across rows and 128-tiles) makes cuBLAS blockwise
+    wrong at K = 14336 while bench data (2^+-3) does not: the whole GEMM, then each K half alone."""
+    import check_core_gpu as cc
+    from fp8now import Scheme, rel_diff
+    from fp8now.kernels.reference import exact_matmul
+    from fp8now.numerics import quantize_activation, quantize_weight
+    n, k = 4096, 14336
+    for data in ("core", "bench"):
+        if data == "core":
+            w = cc.varied(n, k, seed=n + k).cuda()
+            x = cc.varied(256, k, seed=7 * k).cuda()
+        else:
+            w = varied(n, k, seed=n + k, device="cuda")
+            x = varied(256, k, seed=7 * k, device="cuda")
+        wq, ws = quantize_weight(w, "block")
+        xq, xs = quantize_activation(x, "group")
+        xsc = xs.t().contiguous().t()
+        ref = exact_matmul(xq, xs, wq, ws, Scheme.BLOCK)
+        for out in (torch.bfloat16, torch.float32):
+            y = torch._scaled_mm(xq, wq.t(), xsc, ws.t(), out_dtype=out)
+            add(sec="cublas_data", impl=f"{data} whole {str(out)[6:]}", rd=rel_diff(y, ref), err=rel(y, ref))
+        for a, b in ((0, 8192), (8192, k), (0, 7168), (7168, k)):
+            xa, wa = xq[:, a:b].contiguous(), wq[:, a:b].contiguous()
+            xsa = xs[:, a // 128:b // 128].t().contiguous().t()
+            wsa = ws[:, a // 128:b // 128].contiguous()
+            refa = exact_matmul(xa, xs[:, a // 128:b // 128].contiguous(), wa, wsa, Scheme.BLOCK)
+            y = torch._scaled_mm(xa, wa.t(), xsa, wsa.t(), out_dtype=torch.float32)
+            add(sec="cublas_data", impl=f"{data} K[{a}:{b}] f32", rd=rel_diff(y, refa), err=rel(y, refa))
+        # the same operands with every scale 1: does the error follow the data or the scales?
+        ones_x = torch.ones_like(xs).t().contiguous().t()
+        ones_w = torch.ones_like(ws)
+        y = torch._scaled_mm(xq, wq.t(), ones_x, ones_w.t(), out_dtype=torch.float32)
+        ref1 = exact_matmul(xq, torch.ones_like(xs), wq, ones_w, Scheme.BLOCK)
+        add(sec="cublas_data", impl=f"{data} whole f32 unit scales", rd=rel_diff(y, ref1), err=rel(y, ref1))
+    for r in ROWS:
+        if r.get("sec") == "cublas_data":
+            print(f"{r['impl']:32} rel_diff {r['rd']:.2e} norm err {r['err']:.2e}")
 
 
 def table():

@@ -27,6 +27,16 @@ def test_forced_backend_error_lists_reason():
         pick_backend("cpu", Scheme.BLOCK, "group", 256, 256, forced="torch")
 
 
+def test_cublas_blockwise_only_at_verified_k():
+    """cuBLAS blockwise gave data-dependent wrong results at K = 7168 and 14336 on the H200: the
+    dispatch must keep such K on the Triton block GEMM (and the torch backend must refuse them)."""
+    from fp8now.kernels import torch_mm
+    for k in (4096, 8192):
+        assert torch_mm.blockwise_unfit(k) is None
+    for k in (512, 2048, 7168, 10240, 14336, 28672, 384):
+        assert "trusted only" in torch_mm.blockwise_unfit(k)
+
+
 def test_batch_invariant_rejects_cublas():
     with pytest.raises(RuntimeError, match=r"batch_invariant=True.*torch: cuBLAS"):
         pick_backend("cpu", Scheme.CHANNEL, "token", 256, 256, forced="torch", batch_invariant=True)

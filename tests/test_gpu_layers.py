@@ -14,7 +14,7 @@ from fp8_oracle import exact_product, varied
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                    reason="needs a CUDA GPU (run through the device tool)")]
-SHAPES = [(4096, 4096), (14336, 4096), (576, 7168), (256, 384)]
+SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (576, 7168), (256, 384)]
 
 
 def layer_for(n, k, scheme, backend, bias=True, batch_invariant=False, dtype=torch.bfloat16):
@@ -53,6 +53,21 @@ def test_backend_vs_exact(backend, scheme, n, k, m):
     lin, layer = layer_for(n, k, scheme, backend)
     assert layer.backend == backend
     x = varied((m, k), torch.float32, seed=m * k, spread=3).cuda().to(torch.bfloat16)
+    check_exact(layer, lin, x)
+
+
+@pytest.mark.parametrize("k", [4096, 8192])
+@pytest.mark.parametrize("seed", range(4))
+def test_cublas_blockwise_at_trusted_k_on_many_scale_patterns(k, seed):
+    """cuBLAS blockwise was right or wrong depending on the scale pattern at other K (BENCHMARKS.md):
+    at the K it is trusted with, several patterns of row and tile magnitudes must all be exact."""
+    from fp8now.kernels import torch_mm
+    assert torch_mm.blockwise_unfit(k) is None
+    lin = torch.nn.Linear(k, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(varied((4096, k), torch.float32, seed=seed * 31 + k, spread=4).cuda() * 0.02)
+    layer = Fp8Linear.from_linear(lin, Fp8Config(scheme=Scheme.BLOCK, backend="torch"))
+    x = varied((256, k), torch.float32, seed=seed * 17 + 5, spread=4).cuda().to(torch.bfloat16)
     check_exact(layer, lin, x)
 
 
@@ -156,6 +171,7 @@ def test_decode_pdl_launch_reads_the_fresh_activation(scheme, m):
 def test_compile_fullgraph_and_cuda_graph(scheme):
     lin, layer = layer_for(1024, 2048, scheme, "auto")
     for m in (1, 4, 512):  # block at M=1: the decode kernel quantizing in-kernel; M=4: quantizer first
+        torch._dynamo.reset()  # a fresh compile per M (the three schemes share Fp8Linear.forward's code)
         x = varied((m, 2048), torch.bfloat16, seed=m).cuda()
         eager = layer(x)
         compiled = torch.compile(layer, fullgraph=True)

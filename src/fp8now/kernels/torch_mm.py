@@ -52,17 +52,23 @@ def available(device: torch.device, scheme: Scheme, act_kind: str, n: int, k: in
     return None
 
 
-def blockwise_unfit(k: int) -> str | None:
-    """Shapes where cuBLAS blockwise scaling was seen to work on the H200 (torch 2.11 + cu130).
+# K at which cuBLAS blockwise scaling (torch 2.11 + cu130, H200) matched the float64 product on every
+# data set tried. Elsewhere it is wrong for some scale patterns and right for others (BENCHMARKS.md,
+# "cuBLAS blockwise is data-dependently wrong"): with one pattern of 2^+-3 tile magnitudes it matched
+# at K = 10240 to 28672, with two others it was off by 5-7.5% (norm) at K = 14336 and on the first
+# 7168 columns of K (N = 4096), while the first 8192 columns of the same operands were right.
+BLOCKWISE_VERIFIED_K = (4096, 8192)
 
-    The weight-scale leading dimension K/128 must be a multiple of 4 (16-byte aligned) or cuBLAS
-    answers NOT_SUPPORTED; at K = 14336 it ran but returned wrong results (rel_diff 2.9e-3 against
-    the exact product, BENCHMARKS.md), so K is capped at the largest size that checked out.
+
+def blockwise_unfit(k: int) -> str | None:
+    """None where cuBLAS blockwise scaling is trusted (K in BLOCKWISE_VERIFIED_K), else why not.
+
+    (cuBLAS also needs the weight-scale leading dimension K/128 to be a multiple of 4, 16-byte
+    aligned, or it answers NOT_SUPPORTED.)
     """
-    if k % 512:
-        return f"blockwise scaled_mm needs K divisible by 512 (K={k})"
-    if k > 8192:
-        return f"blockwise scaled_mm gave wrong results for K > 8192 on the H200 (K={k})"
+    if k not in BLOCKWISE_VERIFIED_K:
+        return (f"blockwise scaled_mm is trusted only at K in {BLOCKWISE_VERIFIED_K} on the H200: at other K "
+                f"cuBLAS returned wrong results for some scale patterns (K={k})")
     return None
 
 
