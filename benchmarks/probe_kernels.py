@@ -12,7 +12,7 @@ Sections (argv: a comma list, default all):
   against the float64 product (on this section's data it was right).
 - `cublas_data`: the same GEMM on check_core_gpu's data and on other seeds, whole and per K slice, and
   with unit scales: where cuBLAS blockwise is wrong (BENCHMARKS.md).
-- `decode`: programmatic dependent launch (PDL) and L2 prefetch in the decode kernel, GPU time in
+- `decode`: programmatic dependent launch (PDL) of the decode kernel after the quantizer, GPU time in
   CUDA graphs; PDL results checked bit-identical to the plain launch, eager and replayed.
 
 `PYTHONPATH=src:benchmarks python benchmarks/probe_kernels.py [sections]`
@@ -198,33 +198,27 @@ def section_decode():
             add(sec="decode", impl="bf16", graph=graph_ms(
                 lambda i: (lambda: torch.nn.functional.linear(x, w)), copies, 5, 20), **base)
 
-            def tok(i, pf=False, pdl=False):
+            def tok(i, pdl=False):
                 q, s = tq.quantize_act_token(x, early_launch=pdl)
                 return td.decode_linear(q, *wq["channel"][i], "channel", "token", x_scale=s, counters=cnt[i],
-                                        prefetch=pf, pdl=pdl)
+                                        pdl=pdl)
 
-            def grp(i, pf=False, pdl=False):
-                q, s = tq.quantize_act_group(x, early_launch=pdl)
-                return td.decode_linear(q, *wq["block"][i], "block", "group", x_scale=s, counters=cnt[i],
-                                        prefetch=pf, pdl=pdl)
+            def grp(i):
+                q, s = tq.quantize_act_group(x)
+                return td.decode_linear(q, *wq["block"][i], "block", "group", x_scale=s, counters=cnt[i])
+            # (2026-12-03 run 1 also timed an L2 bulk prefetch of each program's weight slice, with and
+            # without PDL: 0.55-0.92x everywhere; that kernel option was removed, BENCHMARKS.md)
             calls = {
                 "channel-pre": tok,
-                "channel-pre+pf": lambda i: tok(i, pf=True),
                 "channel-pre+pdl": lambda i: tok(i, pdl=True),
-                "channel-pre+pdl+pf": lambda i: tok(i, pf=True, pdl=True),
                 "block-old": lambda i: tg.block_gemm(*tq.quantize_act_group(x), *wq["block"][i]),
                 "block-pre": grp,
-                "block-pre+pdl+pf": lambda i: grp(i, pf=True, pdl=True),
             }
             if m == 1:
                 calls["channel-fused"] = lambda i: td.decode_linear(x, *wq["channel"][i], "channel", "token",
                                                                     counters=cnt[i])
-                calls["channel-fused+pf"] = lambda i: td.decode_linear(x, *wq["channel"][i], "channel",
-                                                                       "token", counters=cnt[i], prefetch=True)
                 calls["block-fused"] = lambda i: td.decode_linear(x, *wq["block"][i], "block", "group",
                                                                   counters=cnt[i])
-                calls["block-fused+pf"] = lambda i: td.decode_linear(x, *wq["block"][i], "block", "group",
-                                                                     counters=cnt[i], prefetch=True)
             want = {"channel": tok(0), "block": grp(0)}
             for name, call in calls.items():
                 scheme = name.split("-")[0]

@@ -29,6 +29,7 @@ import torch
 from ..numerics import E4M3FN, GROUP_AMAX_FLOOR
 from . import triton_gemm as tg
 from .triton_quant import _abs_bits, _as_f32, _to_fp8
+from .triton_support import sm90
 
 try:
     import triton
@@ -166,12 +167,6 @@ def _plan(cfg: dict, m: int, n: int, k: int, device: torch.device) -> tuple[int,
     return k_split, splits, tg._cdiv(m, cfg["BLOCK_M"]) * tg._cdiv(n, cfg["BLOCK_N"])
 
 
-@functools.lru_cache(maxsize=8)
-def _sm90(device: torch.device) -> bool:
-    """Programmatic dependent launch needs sm_90+ (and a compiled kernel, never the interpreter)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
 @functools.lru_cache(maxsize=1024)
 def _default_plan(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int]:
     return _plan(_CHECKED_CONFIG, m, n, k, device)
@@ -247,7 +242,7 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
                          f"{counters.dtype} on {counters.device}")
     if splits > 1 and (counters is None or counters.numel() < tiles):
         counters = torch.zeros(tiles, dtype=torch.int32, device=w_q.device)
-    launch = {"launch_pdl": True} if pdl and _sm90(w_q.device) and not torch.compiler.is_compiling() else {}
+    launch = {"launch_pdl": True} if pdl and sm90(w_q.device) and not torch.compiler.is_compiling() else {}
     _decode_kernel[(tiles, splits)](
         x2, x_scale if x_scale is not None else w_s, w_q, w_s, bias if bias is not None else w_s, y, part,
         counters if counters is not None else w_s, 1.0,

@@ -19,14 +19,12 @@ Public functions:
     available(device)                -> None, or why these kernels cannot run on `device`
 """
 
-import functools
-
 import torch
 
 from ..config import Scheme
 from ..numerics import BLOCK_AMAX_FLOOR, E4M3FN, GROUP_AMAX_FLOOR, Fp8Format
 
-from .triton_support import device_reason
+from .triton_support import device_reason, sm90
 
 try:
     import triton
@@ -152,15 +150,6 @@ def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm,
     tl.store(s_ptr + rows64, s, mask=row_ok)
 
 
-@functools.lru_cache(maxsize=8)
-def _sm90(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def _early_ok(x: torch.Tensor, early_launch: bool) -> bool:
-    return early_launch and _sm90(x.device)
-
-
 def _row_plan(M: int, K: int) -> tuple[bool, int, int, int]:
     """(whole rows?, BLOCK_K, BLOCK_M, warps) of the per-token kernel for x [M, K]."""
     if K <= (_ROW_MAX_SINGLE if M >= _FEW_ROWS else _ROW_MAX_SINGLE_FEW_ROWS):
@@ -181,7 +170,7 @@ def _launch_row(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8Form
     _row_quant_kernel[(triton.cdiv(M, block_m),)](
         x2, q, s, M, K, x2.stride(0), q.stride(0),
         FMAX=fmt.fmax, FLOOR=fmt.min_scale, BLOCK_M=block_m, BLOCK_K=block_k, SINGLE=single,
-        EARLY=_early_ok(x2, early_launch), num_warps=warps)
+        EARLY=early_launch and sm90(x2.device), num_warps=warps)
 
 
 def quantize_act_token(x: torch.Tensor, fmt: Fp8Format = E4M3FN, *, early_launch: bool = False
@@ -206,10 +195,7 @@ def quantize_act_token(x: torch.Tensor, fmt: Fp8Format = E4M3FN, *, early_launch
 @triton.jit
 def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg,
                         FMAX: tl.constexpr, FLOOR: tl.constexpr,
-                        BLOCK_M: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
-                        EARLY: tl.constexpr):
-    if EARLY:  # as in _row_quant_kernel
-        gdc_launch_dependents()
+                        BLOCK_M: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     row_ok = rows < M
@@ -228,13 +214,12 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_
              mask=row_ok[:, None] & (groups < n_groups)[None, :])
 
 
-def quantize_act_group(x: torch.Tensor, col_major: bool = False, fmt: Fp8Format = E4M3FN, *,
-                       early_launch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act_group(x: torch.Tensor, col_major: bool = False, fmt: Fp8Format = E4M3FN
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-1x128-group FP8: `x [..., K]` -> `(q [M, K], s [M, ceil(K/128)])`, rule "group".
 
     `col_major=True` returns the same scale values with strides (1, M) (storage [ceil(K/128), M],
-    transposed), the layout torch's blockwise `_scaled_mm` expects. `early_launch`: as in
-    `quantize_act_token`.
+    transposed), the layout torch's blockwise `_scaled_mm` expects.
     """
     x2 = _rows(x, "quantize_act_group")
     M, K = x2.shape
@@ -252,7 +237,7 @@ def quantize_act_group(x: torch.Tensor, col_major: bool = False, fmt: Fp8Format 
     _group_quant_kernel[grid](
         x2, q, s, M, K, x2.stride(0), q.stride(0), s.stride(0), s.stride(1),
         FMAX=fmt.fmax, FLOOR=GROUP_AMAX_FLOOR, BLOCK_M=block_m, GROUPS=groups, GROUP_K=GROUP,
-        EARLY=_early_ok(x2, early_launch), num_warps=_warps(block_m * groups * GROUP))
+        num_warps=_warps(block_m * groups * GROUP))
     return q, s
 
 

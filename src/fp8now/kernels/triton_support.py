@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -30,3 +32,10 @@ def device_reason(device: torch.device | str | None, interpreted: bool, import_e
     if cap < min_cap:
         return f"{what} needs compute capability >= {min_cap[0]}.{min_cap[1]}, this GPU has {cap[0]}.{cap[1]}"
     return None
+
+
+@functools.lru_cache(maxsize=8)
+def sm90(device: torch.device) -> bool:
+    """Hopper features (programmatic dependent launch) usable on `device`: a CUDA GPU of capability
+    >= 9.0 (the interpreter runs on CPU tensors, so never there)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
