@@ -12,6 +12,8 @@ Sections (argv: a comma list, default all):
   against the float64 product (on this section's data it was right).
 - `cublas_data`: the same GEMM on check_core_gpu's data and on other seeds, whole and per K slice, and
   with unit scales: where cuBLAS blockwise is wrong (BENCHMARKS.md).
+- `cublas_chunks` (written 2026-12-03, not run yet): cuBLAS only on K chunks of the trusted sizes,
+  the rest on the Triton block GEMM, on the data that broke whole-K cuBLAS.
 - `decode`: programmatic dependent launch (PDL) of the decode kernel after the quantizer, GPU time in
   CUDA graphs; PDL results checked bit-identical to the plain launch, eager and replayed.
 
@@ -329,6 +331,76 @@ def section_cublas_data():
     for r in ROWS:
         if r.get("sec") == "cublas_data":
             print(f"{r['impl']:32} rel_diff {r['rd']:.2e} norm err {r['err']:.2e}")
+
+
+def section_cublas_chunks():
+    """Next step for block at untrusted K (not run yet): cuBLAS blockwise only on K chunks of the
+    trusted sizes (8192, then 4096), float32 partials added in order, the rest of K on the Triton
+    block GEMM; on the data that broke whole-K cuBLAS (check_core's) and two other seeds, against
+    the float64 product, timed next to the Triton block GEMM and bf16."""
+    import check_core_gpu as cc
+    from fp8now import Scheme, rel_diff
+    from fp8now.kernels import torch_mm, triton_gemm as tg
+    from fp8now.kernels.reference import exact_matmul
+    from fp8now.numerics import quantize_activation, quantize_weight
+
+    def pieces(k):
+        out, a = [], 0
+        for size in (8192, 4096):
+            while k - a >= size:
+                out.append((a, a + size))
+                a += size
+        return out, a                      # trusted chunks, start of the rest
+
+    for m, n, k in [(256, 4096, 14336), (4096, 4096, 14336), (4096, 4096, 7168), (16384, 8192, 28672)]:
+        for data in ("core", "seed1", "seed2"):
+            if data == "core":
+                w, x = cc.varied(n, k, seed=n + k).cuda(), cc.varied(m, k, seed=7 * k).cuda()
+            else:
+                sd = int(data[-1])
+                w = varied(n, k, seed=n + k + 1000 * sd, device="cuda")
+                x = varied(m, k, seed=7 * k + 1000 * sd, device="cuda")
+            wq, ws = quantize_weight(w, "block")
+            xq, xs = quantize_activation(x, "group")
+            xsc = xs.t().contiguous().t()
+            ref = exact_matmul(xq, xs, wq, ws, Scheme.BLOCK)
+            chunks, rest = pieces(k)
+            w_chunks = [(wq[:, a:b].contiguous(), ws[:, a // 128:b // 128].contiguous()) for a, b in chunks]
+
+            def run(copy_x: bool):
+                y = None
+                for (a, b), (wc, wsc) in zip(chunks, w_chunks):
+                    xa = xq[:, a:b].contiguous() if copy_x else xq[:, a:b]
+                    part = torch._scaled_mm(xa, wc.t(), xsc[:, a // 128:b // 128], wsc.t(),
+                                            out_dtype=torch.float32)
+                    y = part if y is None else y.add_(part)
+                if rest < k:
+                    y.add_(tg.block_gemm(xq[:, rest:], xs[:, rest // 128:], wq[:, rest:],
+                                         ws[:, rest // 128:], out_dtype=torch.float32))
+                return y
+            base = dict(M=m, N=n, K=k, data=data, chunks=len(chunks), rest=k - rest)
+            for name, fn in (("chunks-xcopy", lambda: run(True)), ("chunks-xview", lambda: run(False)),
+                             ("triton-block", lambda: tg.block_gemm(xq, xs, wq, ws, out_dtype=torch.float32)),
+                             ("whole-cublas", lambda: torch._scaled_mm(xq, wq.t(), xsc, ws.t(),
+                                                                       out_dtype=torch.float32))):
+                try:
+                    y = fn()
+                    add(sec="cublas_chunks", impl=name, rd=rel_diff(y, ref), err=rel(y, ref),
+                        ms=bench(fn, 5, 15) if data == "core" else None, **base)
+                except Exception as e:
+                    add(sec="cublas_chunks", impl=name, fail=f"{type(e).__name__}: {e}"[:200], **base)
+            if data == "core":
+                add(sec="cublas_chunks", impl="bf16", ms=bench(lambda: torch.nn.functional.linear(x, w), 5, 15),
+                    **base)
+            del w, x, wq, ws, xq, xs, xsc, ref, w_chunks
+            torch.cuda.empty_cache()
+        print(f"cublas_chunks {m}x{n}x{k} done", file=sys.stderr, flush=True)
+    assert torch_mm.BLOCKWISE_VERIFIED_K == (4096, 8192)  # the chunk sizes above are these
+    for r in ROWS:
+        if r.get("sec") == "cublas_chunks" and r["impl"] != "bf16":
+            t = f"{1e3 * r['ms']:9.1f} us" if r.get("ms") else " " * 12
+            res = r.get("fail", "")[:80] or f"rel_diff {r['rd']:.1e} norm {r['err']:.1e}"
+            print(f"{r['M']:>6} {r['N']:>6} {r['K']:>6} {r['data']:6} {r['impl']:14} {t} {res}")
 
 
 def table():
