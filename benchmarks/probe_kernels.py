@@ -30,6 +30,7 @@ import time
 import torch
 import triton
 
+from bench_decode import rel
 from bench_linear import bench, graph_ms, varied
 
 OUT = os.environ.get("OUT", ".")
@@ -40,10 +41,6 @@ def add(**r):
     ROWS.append(r)
     with open(os.path.join(OUT, "probe.json"), "w") as f:
         json.dump(ROWS, f, indent=1)
-
-
-def rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
 
 
 def kernels_of(fn, calls=3) -> list[tuple[str, float]]:
@@ -403,9 +400,14 @@ def section_cublas_chunks():
             print(f"{r['M']:>6} {r['N']:>6} {r['K']:>6} {r['data']:6} {r['impl']:14} {t} {res}")
 
 
+def bf16_times(sec: str, field: str = "ms") -> dict:
+    """(M, N, K) -> the bf16 row's `field` in section `sec` (the baseline of that section's table)."""
+    return {(r["M"], r["N"], r["K"]): r[field] for r in ROWS if r.get("sec") == sec and r["impl"] == "bf16"}
+
+
 def table():
     print("\n== cublas blockwise (x = bf16 / this; err vs float64)")
-    bfc = {(r["M"], r["N"], r["K"]): r["ms"] for r in ROWS if r.get("sec") == "cublas" and r["impl"] == "bf16"}
+    bfc = bf16_times("cublas")
     for r in ROWS:
         if r.get("sec") == "cublas" and r["impl"] != "bf16":
             key = (r["M"], r["N"], r["K"])
@@ -414,7 +416,7 @@ def table():
             else:
                 print(f"{key} {r['impl']:22} {1e3 * r['ms']:9.1f} us {bfc[key] / r['ms']:5.2f}x err {r['err']:.1e}")
     print("\n== large (ms; x = bf16 / this)")
-    bf = {(r["M"], r["N"], r["K"]): r["ms"] for r in ROWS if r.get("sec") == "large" and r["impl"] == "bf16"}
+    bf = bf16_times("large")
     for r in ROWS:
         if r.get("sec") == "large" and r["impl"] != "bf16":
             key = (r["M"], r["N"], r["K"])
@@ -442,7 +444,7 @@ def table():
                  and "fail" in r]
         print(f"   max err {worst:.1e}; failed: {fails}")
     print("\n== decode (graph us; x = bf16 / this)")
-    bfd = {(r["M"], r["N"], r["K"]): r["graph"] for r in ROWS if r.get("sec") == "decode" and r["impl"] == "bf16"}
+    bfd = bf16_times("decode", "graph")
     for r in ROWS:
         if r.get("sec") == "decode" and r["impl"] != "bf16":
             key = (r["M"], r["N"], r["K"])

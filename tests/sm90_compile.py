@@ -61,10 +61,13 @@ def main():
         compile_one(f"decode group={group} quant={quant} pdl={pdl}", td._decode_kernel, ptrs, consts,
                     dict(opts, launch_pdl=pdl), scalars=dict(one="fp32"))
     q = dict(x_ptr=BF16, q_ptr=FP8, s_ptr=F32)
-    for single, early in [(True, False), (False, False), (True, True)]:
-        compile_one(f"row_quant single={single} early={early}", tq._row_quant_kernel, q,
-                    dict(FMAX=E4M3FN.fmax, FLOOR=E4M3FN.min_scale, BLOCK_M=1, BLOCK_K=2048 if not single else 4096,
-                         SINGLE=single, EARLY=early), dict(num_warps=8))
+    # the launch plans of a decode row, and of long rows in both chunk widths
+    for (m, k), early in [((1, 4096), False), ((16384, 14336), False), ((16384, 28672), False),
+                          ((1, 4096), True)]:
+        single, block_k, block_m, warps = tq._row_plan(m, k)
+        compile_one(f"row_quant single={single} bk={block_k} early={early}", tq._row_quant_kernel, q,
+                    dict(FMAX=E4M3FN.fmax, FLOOR=E4M3FN.min_scale, BLOCK_M=block_m, BLOCK_K=block_k,
+                         SINGLE=single, EARLY=early), dict(num_warps=warps))
     compile_one("group_quant", tq._group_quant_kernel, q,
                 dict(FMAX=E4M3FN.fmax, FLOOR=GROUP_AMAX_FLOOR, BLOCK_M=4, GROUPS=8, GROUP_K=128), dict(num_warps=8))
     compile_one("amax", tq._amax_kernel, dict(x_ptr=BF16, amax_ptr=I32),

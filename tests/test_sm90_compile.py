@@ -33,7 +33,7 @@ def test_every_kernel_compiles(compiled):
 def test_pdl_only_where_asked(compiled):
     for name, r in compiled.items():
         assert r["gdc_wait"] == (name == "decode group=False quant=False pdl=True"), name
-        assert r["gdc_launch"] == (name == "row_quant single=True early=True"), name
+        assert r["gdc_launch"] == (name == "row_quant single=True bk=4096 early=True"), name
 
 
 def test_gemms_use_tensor_cores(compiled):

@@ -7,7 +7,7 @@ Per call, by M (the thresholds are the dispatch data, measured on the H200, BENC
     split-K GEMM + reduce kernel: 0.97-1.07x faster over the 42 tensor and channel rows; quantizing
     inside the kernel lost almost everywhere: every program first reads its rows over all of K).
     At M <= PDL_MAX_M the decode kernel is a programmatic dependent launch (sm_90): it starts while
-    the quantizer runs (1.00-1.09x faster over the 12 measured rows at M = 1 and 4, mixed at 16).
+    the quantizer runs (1.01-1.08x faster over the 12 measured rows at M = 1 and 4, mixed at 16).
   - block, M = 1 and N <= FUSED_BLOCK_MAX_N: `decode_linear` quantizing the 1x128 groups itself
     (one launch; 1.03-1.12x faster than the three-launch path at N <= 8192, 0.84-0.95x at N >= 28672).
   - block otherwise: the Triton group quantizer, then the split-K Triton block GEMM (its reduce
