@@ -8,12 +8,11 @@ Sections (argv: a comma list, default all):
 - `block`: the Triton block GEMM at large M over tile configurations (smaller tiles let two or three
   programs share an SM, so one's MMAs can overlap another's scale promotion: a manual software
   pipeline inside one program does not, since Triton places the MMA wait right after its issue).
-- `cublas`: cuBLAS blockwise at K > 8192, whole and in K chunks with float32 partials, each checked
-  against the float64 product (on this section's data it was right).
-- `cublas_data`: the same GEMM on check_core_gpu's data and on other seeds, whole and per K slice, and
-  with unit scales: where cuBLAS blockwise is wrong (BENCHMARKS.md).
-- `cublas_chunks` (written 2026-12-03, not run yet): cuBLAS only on K chunks of the trusted sizes,
-  the rest on the Triton block GEMM, on the data that broke whole-K cuBLAS.
+- `cublas`: cuBLAS blockwise at K > 8192, whole and in K chunks with float32 partials.
+- `cublas_data`: cuBLAS blockwise and the Triton block GEMM on check_core_gpu's data and bench data
+  against the float64 product, at K = 6144 to 28672, with GEMM times. (Run 3 of 2026-12-03, and a
+  `cublas_chunks` section since removed, compared with a reference product whose weight-row chunks
+  started inside 128-row tiles: every implementation then looked equally wrong.)
 - `decode`: programmatic dependent launch (PDL) of the decode kernel after the quantizer, GPU time in
   CUDA graphs; PDL results checked bit-identical to the plain launch, eager and replayed.
 
@@ -291,113 +290,45 @@ def section_cublas():
 
 
 def section_cublas_data():
-    """Why check_core_gpu's data (magnitudes 2^+-4 across rows and 128-tiles) makes cuBLAS blockwise
-    wrong at K = 14336 while bench data (2^+-3) does not: the whole GEMM, then each K half alone."""
+    """cuBLAS blockwise (whole K) and the Triton block GEMM against the float64 product, on
+    check_core_gpu's data (magnitudes 2^+-4 across rows and 128-tiles) and bench data, at the K
+    where the unaligned reference once made cuBLAS look wrong (BENCHMARKS.md), and their GEMM times."""
     import check_core_gpu as cc
     from fp8now import Scheme, rel_diff
+    from fp8now.kernels import triton_gemm as tg
     from fp8now.kernels.reference import exact_matmul
     from fp8now.numerics import quantize_activation, quantize_weight
-    n, k = 4096, 14336
-    for data in ("core", "bench"):
-        if data == "core":
-            w = cc.varied(n, k, seed=n + k).cuda()
-            x = cc.varied(256, k, seed=7 * k).cuda()
-        else:
-            w = varied(n, k, seed=n + k, device="cuda")
-            x = varied(256, k, seed=7 * k, device="cuda")
-        wq, ws = quantize_weight(w, "block")
-        xq, xs = quantize_activation(x, "group")
-        xsc = xs.t().contiguous().t()
-        ref = exact_matmul(xq, xs, wq, ws, Scheme.BLOCK)
-        for out in (torch.bfloat16, torch.float32):
-            y = torch._scaled_mm(xq, wq.t(), xsc, ws.t(), out_dtype=out)
-            add(sec="cublas_data", impl=f"{data} whole {str(out)[6:]}", rd=rel_diff(y, ref), err=rel(y, ref))
-        for a, b in ((0, 8192), (8192, k), (0, 7168), (7168, k)):
-            xa, wa = xq[:, a:b].contiguous(), wq[:, a:b].contiguous()
-            xsa = xs[:, a // 128:b // 128].t().contiguous().t()
-            wsa = ws[:, a // 128:b // 128].contiguous()
-            refa = exact_matmul(xa, xs[:, a // 128:b // 128].contiguous(), wa, wsa, Scheme.BLOCK)
-            y = torch._scaled_mm(xa, wa.t(), xsa, wsa.t(), out_dtype=torch.float32)
-            add(sec="cublas_data", impl=f"{data} K[{a}:{b}] f32", rd=rel_diff(y, refa), err=rel(y, refa))
-        # the same operands with every scale 1: does the error follow the data or the scales?
-        ones_x = torch.ones_like(xs).t().contiguous().t()
-        ones_w = torch.ones_like(ws)
-        y = torch._scaled_mm(xq, wq.t(), ones_x, ones_w.t(), out_dtype=torch.float32)
-        ref1 = exact_matmul(xq, torch.ones_like(xs), wq, ones_w, Scheme.BLOCK)
-        add(sec="cublas_data", impl=f"{data} whole f32 unit scales", rd=rel_diff(y, ref1), err=rel(y, ref1))
-    for r in ROWS:
-        if r.get("sec") == "cublas_data":
-            print(f"{r['impl']:32} rel_diff {r['rd']:.2e} norm err {r['err']:.2e}")
-
-
-def section_cublas_chunks():
-    """Next step for block at untrusted K (not run yet): cuBLAS blockwise only on K chunks of the
-    trusted sizes (8192, then 4096), float32 partials added in order, the rest of K on the Triton
-    block GEMM; on the data that broke whole-K cuBLAS (check_core's) and two other seeds, against
-    the float64 product, timed next to the Triton block GEMM and bf16."""
-    import check_core_gpu as cc
-    from fp8now import Scheme, rel_diff
-    from fp8now.kernels import torch_mm, triton_gemm as tg
-    from fp8now.kernels.reference import exact_matmul
-    from fp8now.numerics import quantize_activation, quantize_weight
-
-    def pieces(k):
-        out, a = [], 0
-        for size in (8192, 4096):
-            while k - a >= size:
-                out.append((a, a + size))
-                a += size
-        return out, a                      # trusted chunks, start of the rest
-
-    for m, n, k in [(256, 4096, 14336), (4096, 4096, 14336), (4096, 4096, 7168), (16384, 8192, 28672)]:
-        for data in ("core", "seed1", "seed2"):
+    for m, n, k in [(256, 4096, 14336), (256, 576, 7168), (256, 4096, 6144), (4096, 4096, 14336),
+                    (4096, 4096, 7168), (16384, 8192, 28672)]:
+        for data in ("core", "bench"):
             if data == "core":
                 w, x = cc.varied(n, k, seed=n + k).cuda(), cc.varied(m, k, seed=7 * k).cuda()
             else:
-                sd = int(data[-1])
-                w = varied(n, k, seed=n + k + 1000 * sd, device="cuda")
-                x = varied(m, k, seed=7 * k + 1000 * sd, device="cuda")
+                w, x = varied(n, k, seed=n + k, device="cuda"), varied(m, k, seed=7 * k, device="cuda")
             wq, ws = quantize_weight(w, "block")
             xq, xs = quantize_activation(x, "group")
             xsc = xs.t().contiguous().t()
-            ref = exact_matmul(xq, xs, wq, ws, Scheme.BLOCK)
-            chunks, rest = pieces(k)
-            w_chunks = [(wq[:, a:b].contiguous(), ws[:, a // 128:b // 128].contiguous()) for a, b in chunks]
-
-            def run(copy_x: bool):
-                y = None
-                for (a, b), (wc, wsc) in zip(chunks, w_chunks):
-                    xa = xq[:, a:b].contiguous() if copy_x else xq[:, a:b]
-                    part = torch._scaled_mm(xa, wc.t(), xsc[:, a // 128:b // 128], wsc.t(),
-                                            out_dtype=torch.float32)
-                    y = part if y is None else y.add_(part)
-                if rest < k:
-                    y.add_(tg.block_gemm(xq[:, rest:], xs[:, rest // 128:], wq[:, rest:],
-                                         ws[:, rest // 128:], out_dtype=torch.float32))
-                return y
-            base = dict(M=m, N=n, K=k, data=data, chunks=len(chunks), rest=k - rest)
-            for name, fn in (("chunks-xcopy", lambda: run(True)), ("chunks-xview", lambda: run(False)),
-                             ("triton-block", lambda: tg.block_gemm(xq, xs, wq, ws, out_dtype=torch.float32)),
-                             ("whole-cublas", lambda: torch._scaled_mm(xq, wq.t(), xsc, ws.t(),
-                                                                       out_dtype=torch.float32))):
-                try:
-                    y = fn()
-                    add(sec="cublas_chunks", impl=name, rd=rel_diff(y, ref), err=rel(y, ref),
-                        ms=bench(fn, 5, 15) if data == "core" else None, **base)
-                except Exception as e:
-                    add(sec="cublas_chunks", impl=name, fail=f"{type(e).__name__}: {e}"[:200], **base)
-            if data == "core":
-                add(sec="cublas_chunks", impl="bf16", ms=bench(lambda: torch.nn.functional.linear(x, w), 5, 15),
-                    **base)
-            del w, x, wq, ws, xq, xs, xsc, ref, w_chunks
+            rows = min(m, 512)        # the float64 product of all rows would take minutes at 16384
+            ref = exact_matmul(xq[:rows], xs[:rows], wq, ws, Scheme.BLOCK)
+            base = dict(sec="cublas_data", M=m, N=n, K=k, data=data)
+            for name, fn in (("cublas-f32", lambda: torch._scaled_mm(xq, wq.t(), xsc, ws.t(), out_dtype=torch.float32)),
+                             ("cublas-bf16", lambda: torch._scaled_mm(xq, wq.t(), xsc, ws.t(), out_dtype=torch.bfloat16)),
+                             ("triton-f32", lambda: tg.block_gemm(xq, xs, wq, ws, out_dtype=torch.float32))):
+                y = fn()[:rows]
+                add(impl=name, rd=rel_diff(y, ref), err=rel(y, ref),
+                    ms=bench(fn, 5, 15) if data == "bench" and name != "cublas-f32" else None, **base)
+            if data == "bench":
+                add(impl="bf16", ms=bench(lambda: torch.nn.functional.linear(x, w), 5, 15), **base)
+            del w, x, wq, ws, xq, xs, xsc, ref
             torch.cuda.empty_cache()
-        print(f"cublas_chunks {m}x{n}x{k} done", file=sys.stderr, flush=True)
-    assert torch_mm.BLOCKWISE_VERIFIED_K == (4096, 8192)  # the chunk sizes above are these
+        print(f"cublas_data {m}x{n}x{k} done", file=sys.stderr, flush=True)
+    bf = bf16_times("cublas_data")
     for r in ROWS:
-        if r.get("sec") == "cublas_chunks" and r["impl"] != "bf16":
-            t = f"{1e3 * r['ms']:9.1f} us" if r.get("ms") else " " * 12
-            res = r.get("fail", "")[:80] or f"rel_diff {r['rd']:.1e} norm {r['err']:.1e}"
-            print(f"{r['M']:>6} {r['N']:>6} {r['K']:>6} {r['data']:6} {r['impl']:14} {t} {res}")
+        if r.get("sec") == "cublas_data" and r["impl"] != "bf16":
+            t = (f"{1e3 * r['ms']:9.1f} us {bf[(r['M'], r['N'], r['K'])] / r['ms']:5.2f}x" if r.get("ms")
+                 else " " * 18)
+            print(f"{r['M']:>6} {r['N']:>6} {r['K']:>6} {r['data']:6} {r['impl']:12} {t} "
+                  f"rel_diff {r['rd']:.1e} norm {r['err']:.1e}")
 
 
 def bf16_times(sec: str, field: str = "ms") -> dict:

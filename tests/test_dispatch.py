@@ -27,14 +27,14 @@ def test_forced_backend_error_lists_reason():
         pick_backend("cpu", Scheme.BLOCK, "group", 256, 256, forced="torch")
 
 
-def test_cublas_blockwise_only_at_verified_k():
-    """cuBLAS blockwise gave data-dependent wrong results at K = 7168 and 14336 on the H200: the
-    dispatch must keep such K on the Triton block GEMM (and the torch backend must refuse them)."""
+def test_cublas_blockwise_k_alignment():
+    """cuBLAS blockwise needs the K/128 weight-scale columns 16-byte aligned: K % 512 == 0 is taken,
+    other K are refused with that reason (the triton backend then keeps the Triton block GEMM)."""
     from fp8now.kernels import torch_mm
-    for k in (4096, 8192):
+    for k in (512, 2048, 4096, 7168, 8192, 14336, 28672):
         assert torch_mm.blockwise_unfit(k) is None
-    for k in (512, 2048, 7168, 10240, 14336, 28672, 384):
-        assert "trusted only" in torch_mm.blockwise_unfit(k)
+    for k in (128, 384, 1152, 4224):
+        assert "divisible by 512" in torch_mm.blockwise_unfit(k)
 
 
 def test_batch_invariant_rejects_cublas():

@@ -56,19 +56,25 @@ def test_backend_vs_exact(backend, scheme, n, k, m):
     check_exact(layer, lin, x)
 
 
-@pytest.mark.parametrize("k", [4096, 8192])
-@pytest.mark.parametrize("seed", range(4))
-def test_cublas_blockwise_at_trusted_k_on_many_scale_patterns(k, seed):
-    """cuBLAS blockwise was right or wrong depending on the scale pattern at other K (BENCHMARKS.md):
-    at the K it is trusted with, several patterns of row and tile magnitudes must all be exact."""
+@pytest.mark.parametrize("k", [1536, 2560, 6144, 7168, 10240, 14336, 28672])
+@pytest.mark.parametrize("seed", range(3))
+def test_cublas_blockwise_across_k_on_many_scale_patterns(k, seed):
+    """cuBLAS blockwise at K other than the benchmark's 4096 / 8192, with magnitudes that vary by
+    row, by 128-column tile and by 128 x 128 weight tile (so a misplaced tile scale shows), at an M
+    that takes cuBLAS (> the Triton block GEMM's M range)."""
     from fp8now.kernels import torch_mm
     assert torch_mm.blockwise_unfit(k) is None
-    lin = torch.nn.Linear(k, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
+    n = 2048
+    g = torch.Generator().manual_seed(seed)
+    tiles = 2.0 ** torch.randint(-4, 5, (n // 128, k // 128), generator=g).float()
+    mag = tiles.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
-        lin.weight.copy_(varied((4096, k), torch.float32, seed=seed * 31 + k, spread=4).cuda() * 0.02)
-    layer = Fp8Linear.from_linear(lin, Fp8Config(scheme=Scheme.BLOCK, backend="torch"))
+        lin.weight.copy_((varied((n, k), torch.float32, seed=seed * 31 + k, spread=2) * mag).cuda() * 0.02)
     x = varied((256, k), torch.float32, seed=seed * 17 + 5, spread=4).cuda().to(torch.bfloat16)
-    check_exact(layer, lin, x)
+    for backend in ("torch", "triton"):
+        layer = Fp8Linear.from_linear(lin, Fp8Config(scheme=Scheme.BLOCK, backend=backend))
+        check_exact(layer, lin, x)
 
 
 @pytest.mark.parametrize("scheme", list(Scheme))

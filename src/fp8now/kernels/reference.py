@@ -21,19 +21,19 @@ def available(device: torch.device, scheme: Scheme, act_kind: str, n: int, k: in
     return None
 
 
-def _expand_cols(w_scale: torch.Tensor, n: int, group: int) -> torch.Tensor:
-    """Per-output-column scale [N] from a scale with one entry per `group` columns."""
-    return w_scale.repeat_interleave(group)[:n]
-
-
 def exact_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
-                 w_scale: torch.Tensor, scheme: Scheme) -> torch.Tensor:
-    """float64 `(x_q * x_scale) @ (w_q * w_scale).T` for FP8 operands: [M, K] x [N, K] -> [M, N]."""
+                 w_scale: torch.Tensor, scheme: Scheme, temp_bytes: int = _TEMP_BYTES) -> torch.Tensor:
+    """float64 `(x_q * x_scale) @ (w_q * w_scale).T` for FP8 operands: [M, K] x [N, K] -> [M, N].
+
+    The weight is widened to float64 `temp_bytes` at a time, in chunks of output rows (for block
+    scaling, whole 128-row tiles, so that each chunk starts on a weight-scale row).
+    """
     m, k = x_q.shape
     n = w_q.shape[0]
     out = torch.empty((m, n), dtype=torch.float64, device=x_q.device)
-    step = max(1, _TEMP_BYTES // (8 * max(k, 1)))
+    step = max(1, temp_bytes // (8 * max(k, 1)))
     if scheme is Scheme.BLOCK and WEIGHT_GROUP[scheme] == (128, 128):
+        step = max(128, step - step % 128)
         x64 = x_q.double()
         xs = x_scale.double()                                  # [M, KB]
         for r in range(0, n, step):

@@ -52,23 +52,16 @@ def available(device: torch.device, scheme: Scheme, act_kind: str, n: int, k: in
     return None
 
 
-# K at which cuBLAS blockwise scaling (torch 2.11 + cu130, H200) matched the float64 product on every
-# data set tried. Elsewhere it is wrong for some scale patterns and right for others (BENCHMARKS.md,
-# "cuBLAS blockwise is data-dependently wrong"): with one pattern of 2^+-3 tile magnitudes it matched
-# at K = 10240 to 28672, with two others it was off by 5-7.5% (norm) at K = 14336 and on the first
-# 7168 columns of K (N = 4096), while the first 8192 columns of the same operands were right.
-BLOCKWISE_VERIFIED_K = (4096, 8192)
-
-
 def blockwise_unfit(k: int) -> str | None:
-    """None where cuBLAS blockwise scaling is trusted (K in BLOCKWISE_VERIFIED_K), else why not.
+    """None if cuBLAS blockwise scaling takes this K, else why not: the weight scale's leading
+    dimension K/128 must be a multiple of 4 (16-byte aligned) or cuBLAS answers NOT_SUPPORTED.
 
-    (cuBLAS also needs the weight-scale leading dimension K/128 to be a multiple of 4, 16-byte
-    aligned, or it answers NOT_SUPPORTED.)
+    (Checked on the H200, torch 2.11 + cu130, against the float64 product at K = 1536 to 28672 and
+    several patterns of row and tile magnitudes. An earlier "wrong at K = 7168 / 14336" finding came
+    from the reference product itself, which mis-aligned weight-tile scales; BENCHMARKS.md.)
     """
-    if k not in BLOCKWISE_VERIFIED_K:
-        return (f"blockwise scaled_mm is trusted only at K in {BLOCKWISE_VERIFIED_K} on the H200: at other K "
-                f"cuBLAS returned wrong results for some scale patterns (K={k})")
+    if k % 512:
+        return f"blockwise scaled_mm needs K divisible by 512 (K={k}): cuBLAS wants K/128 scales 16-byte aligned"
     return None
 
 

@@ -17,9 +17,9 @@ Per call, by M (the thresholds are the dispatch data, measured on the H200, BENC
   the Triton rowwise GEMM (split-K over the SMs), for larger M cuBLAS `_scaled_mm` rowwise.
 - block, M > 16: the Triton 1x128 group quantizer, then for M <= TRITON_MAX_M["block"] the Triton
   block GEMM (split-K), for larger M torch's blockwise `scaled_mm` (column-major scales) where
-  `BLOCK_GEMM` says so and cuBLAS is trusted at this K (`torch_mm.blockwise_unfit`: K = 4096 or
-  8192), else the Triton block GEMM. cuBLAS was 1.6-2.5x faster than the Triton block GEMM at
-  M = 256 to 16384 and K = 8192 to 28672, but returned wrong results at other K for some data.
+  `BLOCK_GEMM` says so and cuBLAS takes this K (`torch_mm.blockwise_unfit`: K divisible by 512),
+  else the Triton block GEMM. cuBLAS was 1.37-1.50x faster than the Triton block GEMM (GEMM alone)
+  at M = 256 to 16384 and K = 7168 to 28672.
 The thresholds come from CUDA-graph timings (GPU time, no host overhead) of both paths at M = 16, 32
 and 64 over the seven benchmark shapes (benchmarks/tune_decode.py): the Triton rowwise GEMM beat cuBLAS
 on 20 of 21 rows; the Triton block GEMM won at M <= 32 but not reliably at 64.
