@@ -4,6 +4,7 @@ against a reference before timing; all rows go to OUT/probe.json, short tables p
 Sections (argv: a comma list, default all):
 - `large`: where the time of a large-M channel/tensor/block layer goes. do_bench (L2 flushed) of the
   layer, of its quantizer and its GEMM alone, and the CUDA kernels the layer launches (torch.profiler).
+  Env LARGE_CASES=MxNxK,... and LARGE_SCHEMES=block,... narrow it.
 - `quant`: per-token quantizer configurations at large K (bytes checked against the shipped config).
 - `block`: the Triton block GEMM at large M over tile configurations (smaller tiles let two or three
   programs share an SM, so one's MMAs can overlap another's scale promotion: a manual software
@@ -13,6 +14,8 @@ Sections (argv: a comma list, default all):
   against the float64 product, at K = 6144 to 28672, with GEMM times. (Run 3 of 2026-12-03, and a
   `cublas_chunks` section since removed, compared with a reference product whose weight-row chunks
   started inside 128-row tiles: every implementation then looked equally wrong.)
+- `blockm`: block scheme at M = 32-256, Triton block GEMM vs cuBLAS blockwise (CUDA graphs).
+- `host`: host µs per eager call of Fp8Linear (with and without decode graphs) and its parts (GPU kept busy).
 - `decode`: programmatic dependent launch (PDL) of the decode kernel after the quantizer, GPU time in
   CUDA graphs; PDL results checked bit-identical to the plain launch, eager and replayed.
 
@@ -67,6 +70,9 @@ def section_large():
     from fp8now.kernels import torch_mm, triton_gemm as tg, triton_quant as tq
     cases = [(16384, 4096, 4096), (16384, 8192, 8192), (16384, 4096, 14336), (4096, 4096, 14336),
              (16384, 8192, 28672)]
+    if os.environ.get("LARGE_CASES"):     # e.g. LARGE_CASES=1024x4096x14336,4096x8192x28672 (MxNxK)
+        cases = [tuple(int(v) for v in c.split("x")) for c in os.environ["LARGE_CASES"].split(",")]
+    schemes = os.environ.get("LARGE_SCHEMES", "channel,tensor,block").split(",")
     for m, n, k in cases:
         lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
@@ -74,7 +80,7 @@ def section_large():
         x = varied(m, k, seed=m + k, device="cuda")
         base = dict(M=m, N=n, K=k)
         add(sec="large", impl="bf16", ms=bench(lambda: torch.nn.functional.linear(x, lin.weight), 5, 25), **base)
-        for scheme in ("channel", "tensor", "block"):
+        for scheme in schemes:
             layer = Fp8Linear.from_linear(lin, Fp8Config(scheme=Scheme(scheme)))
             w, ws = layer.weight, layer.weight_scale
             add(sec="large", impl=f"{scheme}-layer", ms=bench(lambda: layer(x), 5, 25),
@@ -90,6 +96,8 @@ def section_large():
                         ms=bench(lambda: tq.quantize_act_group(x, col_major=True), 5, 25), **base)
                     add(sec="large", impl="block-cublas-gemm", ms=bench(
                         lambda: torch_mm.blockwise_mm(xqc, xsc, w, ws, None, torch.bfloat16), 5, 25), **base)
+                    add(sec="large", impl="block-quant+cublas", ms=bench(lambda: torch_mm.blockwise_mm(
+                        *tq.quantize_act_group(x, col_major=True), w, ws, None, torch.bfloat16), 5, 25), **base)
             else:
                 xq, xs = tq.quantize_act_token(x)
                 add(sec="large", impl=f"{scheme}-quant", ms=bench(lambda: tq.quantize_act_token(x), 5, 25), **base)
@@ -178,6 +186,90 @@ def section_block():
         del w, x, wq, ws, xq, xs, ref
         torch.cuda.empty_cache()
         print(f"block {m}x{n}x{k} done", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+def section_blockm():
+    """Block scheme, M = 32 to 256: the Triton group quantizer + split-K Triton block GEMM against
+    the column-major quantizer + cuBLAS blockwise, GPU time in CUDA graphs (8 weight copies), on
+    every benchmark shape (TRITON_MAX_M["block"] was set when cuBLAS did not take K > 8192)."""
+    from bench_linear import SHAPES
+    from fp8now.kernels import torch_mm, triton_gemm as tg, triton_quant as tq
+    from fp8now.numerics import quantize_weight
+    copies = 8
+    for n, k in SHAPES:
+        if torch_mm.blockwise_unfit(k) is not None:
+            continue
+        w = varied(n, k, seed=n + 5 * k, device="cuda")
+        wc = [w.clone() for _ in range(copies)]
+        wq = [tuple(t.clone() for t in quantize_weight(w, "block")) for _ in range(copies)]
+        for m in (32, 64, 128, 256):
+            x = varied(m, k, seed=m + n, device="cuda")
+            base = dict(M=m, N=n, K=k)
+            add(sec="blockm", impl="bf16", graph=graph_ms(
+                lambda i: (lambda: torch.nn.functional.linear(x, wc[i])), copies, 5, 20), **base)
+            tri = lambda i: tg.block_gemm(*tq.quantize_act_group(x), *wq[i])  # noqa: E731
+            cub = lambda i: torch_mm.blockwise_mm(*tq.quantize_act_group(x, col_major=True), *wq[i],  # noqa: E731
+                                                  None, torch.bfloat16)
+            err = rel(tri(0), cub(0))
+            for name, call in (("triton", tri), ("cublas", cub)):
+                add(sec="blockm", impl=name, graph=graph_ms(lambda i, call=call: (lambda: call(i)), copies, 5, 20),
+                    err=err, **base)
+        del w, wc, wq
+        torch.cuda.empty_cache()
+        print(f"blockm {n}x{k} done", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+def host_us(fn, calls: int = 200) -> float:
+    """Host µs per call of `fn`, the GPU held busy by a long sleep kernel so that every launch just
+    queues (calls x launches stays under the launch queue's ~1000 entries)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(1.5e9))   # ~1 s of GPU cycles: longer than the timed host loop
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    dt = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return dt / calls * 1e6
+
+
+def section_host():
+    """Host (Python + launch) cost per eager call of Fp8Linear, with and without decode graphs, and of
+    its parts: small-M eager rows ran at 0.2-0.3x bf16 though their GPU time is 1.0-1.4x faster
+    (2026-12-03 run 6 also printed a cProfile of the call: Triton's launcher and our wrappers' checks)."""
+    from fp8now import Fp8Config, Fp8Linear, Scheme
+    from fp8now.kernels import torch_mm, triton_quant as tq
+    n, k = 4096, 14336
+    lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(varied(n, k, seed=7, device="cuda"))
+    layers = {s: Fp8Linear.from_linear(lin, Fp8Config(scheme=Scheme(s))) for s in ("channel", "block")}
+    plain = {s: Fp8Linear.from_linear(lin, Fp8Config(scheme=Scheme(s), decode_graphs=False))
+             for s in ("channel", "block")}
+    e = torch.empty(1, device="cuda")
+    add(sec="host", impl="torch.empty", M=0, us=host_us(lambda: torch.empty((16, 16), device="cuda")))
+    add(sec="host", impl="tensor.zero_", M=0, us=host_us(lambda: e.zero_()))
+    for m in (1, 4, 16, 256):
+        x = varied(m, k, seed=m, device="cuda")
+        add(sec="host", impl="bf16 F.linear", M=m, us=host_us(lambda: torch.nn.functional.linear(x, lin.weight)))
+        for s in layers:
+            add(sec="host", impl=f"{s} layer (decode graphs)", M=m, us=host_us(lambda: layers[s](x)))
+            add(sec="host", impl=f"{s} layer (every call launched)", M=m, us=host_us(lambda: plain[s](x)))
+            same = all(bool(torch.equal(layers[s](x), plain[s](x))) for _ in range(2))
+            add(sec="host", impl=f"{s} graphs == plain", M=m, us=float(same))
+            w, ws = plain[s].weight, plain[s].weight_scale
+            if s == "channel":
+                add(sec="host", impl="quantize_act_token", M=m, us=host_us(lambda: tq.quantize_act_token(x)))
+            else:
+                add(sec="host", impl="quantize_act_group", M=m, us=host_us(lambda: tq.quantize_act_group(x)))
+                if m > 32:
+                    xq, xs = tq.quantize_act_group(x, col_major=True)
+                    add(sec="host", impl="torch_mm.blockwise_mm", M=m, us=host_us(
+                        lambda: torch_mm.blockwise_mm(xq, xs, w, ws, None, torch.bfloat16)))
+        print(f"host M={m} done", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -374,6 +466,20 @@ def table():
         fails = [r["impl"] for r in ROWS if r.get("sec") == "block" and (r["M"], r["N"], r["K"]) == key
                  and "fail" in r]
         print(f"   max err {worst:.1e}; failed: {fails}")
+    print("\n== blockm (graph us; x = bf16 / this; err triton vs cublas)")
+    bfb = bf16_times("blockm", "graph")
+    for r in ROWS:
+        if r.get("sec") == "blockm" and r["impl"] != "bf16" and "graph" in r:
+            key = (r["M"], r["N"], r["K"])
+            print(f"{r['M']:>4} {r['N']:>6} {r['K']:>6} {r['impl']:8} {1e3 * r['graph']:7.1f} "
+                  f"{bfb[key] / r['graph']:5.2f}x err={r['err']:.1e}")
+    print("\n== host (µs per eager call, GPU kept busy)")
+    for r in ROWS:
+        if r.get("sec") == "host":
+            if "us" in r:
+                print(f"{r['M']:>5} {r['impl']:34} {r['us']:7.1f}")
+            elif "text" in r:
+                print(f"--- {r['impl']} M={r['M']}\n{r['text'][:3000]}")
     print("\n== decode (graph us; x = bf16 / this)")
     bfd = bf16_times("decode", "graph")
     for r in ROWS:

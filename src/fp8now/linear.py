@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from . import decode_graphs
 from .config import Fp8Config, Scheme
 from .kernels import backend_module, pick_backend, quantize_weight, split_counters
 from .numerics import E4M3FN
@@ -59,6 +60,8 @@ class Fp8Linear(nn.Module):
         self.act_kind: str = config.act_kind(config.scheme)
         self.forced_backend: str = config.backend
         self.batch_invariant: bool = config.batch_invariant
+        self.use_decode_graphs: bool = config.decode_graphs
+        self._graphs: decode_graphs.DecodeGraphs | None = None
         self.name = name
         self.backend: str | None = None
         self._impl = None
@@ -122,15 +125,30 @@ class Fp8Linear(nn.Module):
         self._impl = backend_module(self.backend)
         self.split_counters = (split_counters(self.out_features, self.weight.device)
                                if self.backend == "triton" else None)
+        self._graphs = (decode_graphs.DecodeGraphs()
+                        if self.backend == "triton" and self.use_decode_graphs else None)
         return self.backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._impl is None:
             raise RuntimeError(f"Fp8Linear {self.name or ''} has no weight yet: call load_(w) first")
-        y = self._impl.linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale,
-                              self.bias, self.scheme, self.act_kind, self.batch_invariant,
-                              self.split_counters)
+        x2 = x.reshape(-1, self.in_features)
+        graphs = self._graphs
+        if graphs is not None and 0 < x2.shape[0] <= decode_graphs.MAX_M and decode_graphs.usable(x2):
+            y = graphs.run(x2, self._launch, self._addresses())
+        else:
+            y = self._launch(x2)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _launch(self, x2: torch.Tensor) -> torch.Tensor:
+        """The backend's linear on x2 [M, K] -> [M, N]."""
+        return self._impl.linear(x2, self.weight, self.weight_scale, self.bias, self.scheme, self.act_kind,
+                                 self.batch_invariant, self.split_counters)
+
+    def _addresses(self) -> tuple[int, ...]:
+        """Where the tensors a captured call reads live (a graph is valid while these stay)."""
+        return (self.weight.data_ptr(), self.weight_scale.data_ptr(),
+                0 if self.bias is None else self.bias.data_ptr(), self.split_counters.data_ptr())
 
     def _apply(self, fn, recurse=True):
         """`.to(dtype)` / `.half()` must not touch the FP8 weight or its float32 scale: move them only."""
