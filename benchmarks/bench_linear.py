@@ -35,6 +35,25 @@ def bench(fn, warmup_ms: int, rep_ms: int) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def kernels_of(fn, calls=3) -> list[tuple[str, float]]:
+    """(kernel name, mean device µs per layer call) of the CUDA kernels `fn` launches."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0.0)
+        if t > 0:
+            out.append((e.key[:90], t / calls))
+    return sorted(out, key=lambda r: -r[1])
+
+
 def graph_ms(make_call, copies: int, warmup_ms: int, rep_ms: int) -> float:
     """GPU time per call without host launch overhead: `copies` calls (each on its own weight copy,
     so the weights stream from HBM and not L2) captured in one CUDA graph; replay time / copies."""
@@ -66,7 +85,7 @@ def torchao_layers(lin: torch.nn.Linear) -> dict[str, torch.nn.Module]:
 
 
 def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=5, rep_ms=25,
-        with_torchao=True, with_compiled=True, with_graphs=True) -> list[dict]:
+        with_torchao=True, with_compiled=True, with_graphs=True, with_kernels=False) -> list[dict]:
     from fp8now import Fp8Config, Fp8Linear, Scheme
     from fp8now.numerics import quantize_activation, quantize_weight
     dev = "cuda"
@@ -131,7 +150,8 @@ def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=5, rep_ms=25,
                 x_qt, w_qt.t(), x_st, w_st, out_dtype=torch.bfloat16), warmup_ms, rep_ms))
             for name, layer in layers.items():
                 try:
-                    add(m, n, k, name, bench(lambda: layer(x), warmup_ms, rep_ms), backend=backends[name])
+                    extra = dict(kernels=kernels_of(lambda: layer(x))) if with_kernels and m >= 1024 else {}
+                    add(m, n, k, name, bench(lambda: layer(x), warmup_ms, rep_ms), backend=backends[name], **extra)
                 except Exception as e:
                     notes.append(f"{name} M={m} {n}x{k}: {type(e).__name__}: {str(e)[:200]}")
             for name, mod in list(peers.items()) + list(compiled.items()):
@@ -182,6 +202,8 @@ if __name__ == "__main__":
     ap.add_argument("--shapes", default="", help="subset, e.g. 4096x4096,28672x4096 (N x K)")
     ap.add_argument("--rep-ms", type=int, default=25, help="do_bench time per measurement")
     ap.add_argument("--m-values", default="", help="subset of M, e.g. 1024,4096,16384")
+    ap.add_argument("--kernels", action="store_true",
+                    help="record each fp8now row's CUDA kernels (torch.profiler, M >= 1024)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_linear.py needs a CUDA GPU")
@@ -192,5 +214,5 @@ if __name__ == "__main__":
         kw["shapes"] = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")]
     if args.m_values:
         kw["m_values"] = [int(v) for v in args.m_values.split(",")]
-    result = run(args.out, with_torchao=not args.no_torchao, rep_ms=args.rep_ms, **kw)
+    result = run(args.out, with_torchao=not args.no_torchao, rep_ms=args.rep_ms, with_kernels=args.kernels, **kw)
     print(summary(result))

@@ -6,6 +6,7 @@ Sections (argv: a comma list, default all):
   layer, of its quantizer and its GEMM alone, and the CUDA kernels the layer launches (torch.profiler).
   Env LARGE_CASES=MxNxK,... and LARGE_SCHEMES=block,... narrow it.
 - `quant`: per-token quantizer configurations at large K (bytes checked against the shipped config).
+- `gquant`: the per-1x128-group quantizer over tile configurations, row- and column-major scales.
 - `block`: the Triton block GEMM at large M over tile configurations (smaller tiles let two or three
   programs share an SM, so one's MMAs can overlap another's scale promotion: a manual software
   pipeline inside one program does not, since Triton places the MMA wait right after its issue).
@@ -33,7 +34,7 @@ import torch
 import triton
 
 from bench_decode import rel
-from bench_linear import bench, graph_ms, varied
+from bench_linear import bench, graph_ms, kernels_of, varied
 
 OUT = os.environ.get("OUT", ".")
 ROWS: list[dict] = []
@@ -43,25 +44,6 @@ def add(**r):
     ROWS.append(r)
     with open(os.path.join(OUT, "probe.json"), "w") as f:
         json.dump(ROWS, f, indent=1)
-
-
-def kernels_of(fn, calls=3) -> list[tuple[str, float]]:
-    """(kernel name, mean device µs per layer call) of the CUDA kernels `fn` launches."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    out = []
-    for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", None)
-        if t is None:
-            t = getattr(e, "self_cuda_time_total", 0.0)
-        if t > 0:
-            out.append((e.key[:90], t / calls))
-    return sorted(out, key=lambda r: -r[1])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -154,6 +136,47 @@ def section_quant():
         del x, q0, s0
         torch.cuda.empty_cache()
         print(f"quant {m}x{k} done", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+def section_gquant():
+    from fp8now.kernels import triton_quant as tq
+    from fp8now.numerics import E4M3FN
+    for m, k in [(4096, 14336), (16384, 14336), (1024, 28672), (4096, 28672), (16384, 4096)]:
+        x = varied(m, k, seed=k + 1, device="cuda")
+        gb = m * k * 3 / 1e9
+        for col in (False, True):
+            q0, s0 = tq.quantize_act_group(x, col_major=col)
+            ms = bench(lambda: tq.quantize_act_group(x, col_major=col), 5, 25)
+            add(sec="quant", impl=f"group shipped col={col}", M=m, K=k, ms=ms, tbs=gb / ms)
+            ng = s0.shape[1]
+            for groups in (1, 2, 4, 8, 16):
+                for bm in (1, 2, 4, 8, 16, 32):
+                    for w in (2, 4, 8, 16):
+                        if not 4 <= bm * groups * 128 // (w * 32) <= 32:
+                            continue
+                        q = torch.empty_like(q0)
+                        sb = (torch.empty((ng, m), dtype=torch.float32, device="cuda").t() if col
+                              else torch.empty_like(s0))
+
+                        def run():
+                            tq._group_quant_kernel[(triton.cdiv(m, bm), triton.cdiv(ng, groups))](
+                                x, q, sb, m, k, x.stride(0), q.stride(0), sb.stride(0), sb.stride(1),
+                                FMAX=E4M3FN.fmax, FLOOR=tq.GROUP_AMAX_FLOOR, BLOCK_M=bm, GROUPS=groups,
+                                GROUP_K=tq.GROUP, num_warps=w)
+                        name = f"group col={col} g={groups} bm={bm} w={w}"
+                        try:
+                            run()
+                            same = bool(torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
+                                        and torch.equal(sb, s0))
+                            ms = bench(run, 5, 10)
+                            add(sec="quant", impl=name, M=m, K=k, ms=ms, tbs=gb / ms, same=same)
+                        except Exception as e:
+                            add(sec="quant", impl=name, M=m, K=k, fail=f"{type(e).__name__}: {e}"[:200])
+            del q0, s0
+        del x
+        torch.cuda.empty_cache()
+        print(f"gquant {m}x{k} done", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -428,6 +451,10 @@ def bf16_times(sec: str, field: str = "ms") -> dict:
     return {(r["M"], r["N"], r["K"]): r[field] for r in ROWS if r.get("sec") == sec and r["impl"] == "bf16"}
 
 
+def quant_family(impl: str) -> str:
+    return "token" if "group" not in impl else ("group col" if "col=True" in impl else "group row")
+
+
 def table():
     print("\n== cublas blockwise (x = bf16 / this; err vs float64)")
     bfc = bf16_times("cublas")
@@ -449,10 +476,12 @@ def table():
     print("\n== quant (best 3 per shape, and shipped)")
     for key in sorted({(r["M"], r["K"]) for r in ROWS if r.get("sec") == "quant"}):
         rs = [r for r in ROWS if r.get("sec") == "quant" and (r["M"], r["K"]) == key and "ms" in r]
-        ship = [r for r in rs if r["impl"] == "shipped"]
-        best = sorted([r for r in rs if r.get("same")], key=lambda r: r["ms"])[:3]
-        for r in ship + best:
-            print(f"{key[0]:>6} {key[1]:>6} {r['impl']:28} {1e3 * r['ms']:8.1f} us {r['tbs']:5.2f} TB/s")
+        for fam in ("token", "group row", "group col"):
+            fr = [r for r in rs if quant_family(r["impl"]) == fam]
+            ship = [r for r in fr if "shipped" in r["impl"]]
+            best = sorted([r for r in fr if r.get("same")], key=lambda r: r["ms"])[:3]
+            for r in ship + best:
+                print(f"{key[0]:>6} {key[1]:>6} {r['impl']:32} {1e3 * r['ms']:8.1f} us {r['tbs']:5.2f} TB/s")
         bad = [r["impl"] for r in rs if r.get("same") is False]
         if bad:
             print(f"   BYTES DIFFER: {bad}")

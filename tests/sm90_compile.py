@@ -68,8 +68,11 @@ def main():
         compile_one(f"row_quant single={single} bk={block_k} early={early}", tq._row_quant_kernel, q,
                     dict(FMAX=E4M3FN.fmax, FLOOR=E4M3FN.min_scale, BLOCK_M=block_m, BLOCK_K=block_k,
                          SINGLE=single, EARLY=early), dict(num_warps=warps))
-    compile_one("group_quant", tq._group_quant_kernel, q,
-                dict(FMAX=E4M3FN.fmax, FLOOR=GROUP_AMAX_FLOOR, BLOCK_M=4, GROUPS=8, GROUP_K=128), dict(num_warps=8))
+    for m, n_groups, col in [(1, 32, False), (4096, 112, False), (4096, 112, True), (3, 1, True)]:
+        block_m, groups, warps = tq._group_plan(m, n_groups, col)
+        compile_one(f"group_quant bm={block_m} g={groups}", tq._group_quant_kernel, q,
+                    dict(FMAX=E4M3FN.fmax, FLOOR=GROUP_AMAX_FLOOR, BLOCK_M=block_m, GROUPS=groups, GROUP_K=128),
+                    dict(num_warps=warps))
     compile_one("amax", tq._amax_kernel, dict(x_ptr=BF16, amax_ptr=I32),
                 dict(BLOCK_M=8, BLOCK_K=1024, K_ITERS=8), dict(num_warps=16))
     compile_one("tensor_quant", tq._tensor_quant_kernel, dict(x_ptr=BF16, q_ptr=FP8, amax_ptr=I32, s_ptr=F32),
