@@ -76,7 +76,7 @@ class Fp8Config:
     backend: "auto" (the dispatch table) or a forced backend name.
     batch_invariant: output rows independent of the batch they run in (SPEC §8).
     activation: "auto", or force per-"token" / per-"tensor" activation scales where the scheme allows.
-    decode_graphs: on the triton backend, replay eager calls with M <= 16 from per-layer CUDA graphs
+    decode_graphs: on the triton backend, replay eager calls with M <= 256 from per-layer CUDA graphs
         (fp8now.decode_graphs: same bytes, a fraction of the host time); False launches every call.
     """
 

@@ -1,20 +1,29 @@
-"""Eager decode through per-layer CUDA graphs: a layer's call at a small M is captured once, then replayed.
+"""Eager small-batch calls through per-layer CUDA graphs: a layer's call at M <= 256 is captured once,
+then replayed.
 
-Why: at M <= MAX_M an eager `Fp8Linear` call on the triton backend is host-bound. Its two Triton
-launches cost 60-100 µs of Python and driver time per call on the H200's host, against 20-40 µs of
-GPU work, so eager decode ran at 0.2-0.3x of bf16 `F.linear` (~18 µs of host per call; BENCHMARKS.md,
-"Host cost of an eager call"). A replay is three cheap launches: copy x into the graph's input buffer,
-replay, clone the graph's output (the clone keeps results of earlier calls from being overwritten).
+Why: at small M an eager `Fp8Linear` call on the triton backend is host-bound. Its two launches cost
+60-175 µs of Python and driver time per call on the H200's host (a Triton launch alone 30-60 µs),
+against 20-60 µs of GPU work, so eager decode ran at 0.2-0.3x of bf16 `F.linear` (~18-30 µs of host
+per call) and M = 64-256 at 0.07-0.8x (BENCHMARKS.md, "Host cost of an eager call"). A replay is
+three cheap host operations: copy x into the graph's input buffer, replay, clone the graph's output.
 
-When: the triton backend on CUDA, M <= MAX_M, and not while torch.compile traces, not while a CUDA
+When: the triton backend on CUDA, M <= max_rows(N, K) (at most MAX_M; none for layers whose call is
+GPU-bound anyway, such as 57344 x 8192), and not while torch.compile traces, not while a CUDA
 graph is being captured (the caller's graph then holds the plain launches), not when autograd would
 need to see the call. A shape (M, dtype, stream) is captured the second time it is seen (the first
 call runs plainly and compiles the kernels), at most MAX_GRAPHS shapes per layer (later ones run
 plainly: no eviction, so varying batch sizes never thrash captures). A capture costs about a
 millisecond once. The graphs bake in the addresses of the layer's weight, scale, bias and split-K
 counters: an in-place reload (`load_`, `reload_weights`) keeps them and the graphs stay valid; a
-changed address drops the graph. The graphs of a device and stream share one memory pool, so only
-their input and output buffers stay allocated (intermediates are dead between replays).
+changed address drops the graph.
+
+Memory: nothing of a call outlives its replay. Every graph of a (device, stream) reads its input from
+one shared staging buffer and copies its result into one shared output buffer (the clone hands the
+caller its own tensor), and all of them capture into one memory pool, so the FP8 activations, scales
+and partial sums of every graph occupy the same pool blocks. What stays allocated is the pool's
+largest call, plus two staging buffers sized for the largest M x K and M x N seen (grown by doubling;
+a graph keeps the buffer it was captured on), not a buffer per graph and layer. Replays on one stream
+run one after another, so sharing is safe.
 
 Bytes: a replay runs the same kernels on the same operands, so outputs are bit-identical to the plain
 call (tests/test_gpu_decode_graphs.py).
@@ -26,14 +35,61 @@ from collections.abc import Callable
 
 import torch
 
-MAX_M = 16        # the decode path of the triton backend (triton_decode.MAX_M)
+MAX_M = 256       # rows per call up to which calls are graphed (the triton backend's small-M range)
 MAX_GRAPHS = 4    # shapes captured per layer
 
-# (device index, replay stream) -> (graph memory pool, the side stream every capture for it runs on,
-# an anchor graph). The caching allocator reuses a freed block only on the stream it was allocated
-# on; and it retires a pool whose graphs are all gone, after which capturing into the same handle
-# fails an internal assert: the anchor, a one-kernel graph of the pool kept forever, prevents that.
-_POOLS: dict[tuple[int, int], tuple[tuple, torch.cuda.Stream, torch.cuda.CUDAGraph]] = {}
+# A call is worth graphing while its GPU time is below the host time of an eager call (60-175 µs
+# measured on the H200's host): estimated as the larger of reading the FP8 weight at WEIGHT_BYTES_PER_S
+# and the MMA work at MMA_FLOPS_PER_S (H200 figures). Above it the eager call is GPU-bound, and a
+# replay only adds its output copy: 57344 x 8192 at M = 64-256 ran 1.54 / 1.39x bf16 replayed against
+# 1.70 / 1.71x launched (BENCHMARKS.md). A slower GPU only makes graphs a little more frequent than needed.
+GPU_BOUND_S = 130e-6
+WEIGHT_BYTES_PER_S = 3.3e12
+MMA_FLOPS_PER_S = 1.2e15
+
+
+def max_rows(n: int, k: int) -> int:
+    """The largest M (<= MAX_M, 0 for none) at which an [M, K] x [K, N] call is graphed."""
+    if n * k / WEIGHT_BYTES_PER_S > GPU_BOUND_S:
+        return 0
+    return min(MAX_M, int(GPU_BOUND_S * MMA_FLOPS_PER_S / (2 * n * k)))
+
+
+class _Pool:
+    """What the graphs of one (device, replay stream) share: the memory pool they capture into, the
+    side stream every capture runs on (the caching allocator reuses a freed block only on the stream
+    it was allocated on), an anchor graph (torch retires a pool whose graphs are all gone, after
+    which capturing into the same handle fails an internal assert: a one-kernel graph of the pool
+    kept forever prevents that), and the staging buffers, by (dtype, "in" / "out")."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.handle, self.side, self.anchor = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device), \
+            torch.cuda.CUDAGraph()
+        self.stages: dict[tuple[torch.dtype, str], torch.Tensor] = {}
+        scratch = torch.zeros(1, device=device)
+        self.side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self.side):
+            self.anchor.capture_begin(pool=self.handle, capture_error_mode="thread_local")
+            try:
+                scratch.add_(1)
+            finally:
+                self.anchor.capture_end()
+
+    def stage(self, dtype: torch.dtype, which: str, rows: int, cols: int) -> torch.Tensor:
+        """A [rows, cols] view of the shared staging buffer, grown (doubling) when too small; graphs
+        captured on a smaller buffer keep it alive through their views."""
+        buf = self.stages.get((dtype, which))
+        numel = rows * cols
+        if buf is None or buf.numel() < numel:
+            size = max(numel, 2 * buf.numel() if buf is not None else 0)
+            with torch.inference_mode(False):   # a normal tensor: later calls outside inference mode write it
+                buf = torch.empty(size, dtype=dtype, device=self.device)
+            self.stages[(dtype, which)] = buf
+        return buf[:numel].view(rows, cols)
+
+
+_POOLS: dict[tuple[int, int], _Pool] = {}
 
 
 def usable(x2: torch.Tensor) -> bool:
@@ -74,9 +130,10 @@ class DecodeGraphs:
     def __reduce__(self):
         return DecodeGraphs, ()   # graphs are not saved with a pickled model
 
-    def run(self, x2: torch.Tensor, call: Callable[[torch.Tensor], torch.Tensor], ptrs: tuple) -> torch.Tensor:
-        """`call(x2)`, replayed from a graph when one is captured for this shape (`ptrs`: the
-        data_ptr()s of the tensors `call` reads besides x2)."""
+    def run(self, x2: torch.Tensor, call: Callable[[torch.Tensor], torch.Tensor], n: int,
+            ptrs: tuple) -> torch.Tensor:
+        """`call(x2)` ([M, K] -> [M, n] in x2's dtype), replayed from a graph when one is captured for
+        this shape (`ptrs`: the data_ptr()s of the tensors `call` reads besides x2)."""
         stream = torch.cuda.current_stream(x2.device)
         key = (x2.shape[0], x2.dtype, stream.cuda_stream)
         entry = self.entries.get(key)
@@ -89,44 +146,33 @@ class DecodeGraphs:
         elif key not in self.seen or len(self.entries) >= MAX_GRAPHS:
             self.seen.add(key)
             return call(x2)
-        entry = _capture(x2, call, stream, ptrs)
+        entry = _capture(x2, call, n, stream, ptrs)
         self.entries[key] = entry
         entry.x.copy_(x2)
         entry.graph.replay()
         return entry.y.clone()
 
 
-def _new_pool(device: torch.device) -> tuple[tuple, torch.cuda.Stream, torch.cuda.CUDAGraph]:
-    pool, side, anchor = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device), torch.cuda.CUDAGraph()
-    scratch = torch.zeros(1, device=device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        anchor.capture_begin(pool=pool, capture_error_mode="thread_local")
-        try:
-            scratch.add_(1)
-        finally:
-            anchor.capture_end()
-    return pool, side, anchor
-
-
-def _capture(x2: torch.Tensor, call: Callable[[torch.Tensor], torch.Tensor], stream: torch.cuda.Stream,
-             ptrs: tuple) -> _Entry:
-    """Capture `call` on a side stream into a graph that reads a fresh input buffer shaped like x2."""
+def _capture(x2: torch.Tensor, call: Callable[[torch.Tensor], torch.Tensor], n: int,
+             stream: torch.cuda.Stream, ptrs: tuple) -> _Entry:
+    """Capture `call` on the pool's side stream: read the shared input buffer, write the shared output
+    buffer; the call's own result is an intermediate of the pool, free once the capture ends."""
     device = x2.device
-    pool_key = (device.index if device.index is not None else torch.cuda.current_device(), stream.cuda_stream)
-    if pool_key not in _POOLS:
-        _POOLS[pool_key] = _new_pool(device)
-    pool, side, _ = _POOLS[pool_key]
-    with torch.inference_mode(False):   # a normal tensor: later calls outside inference mode write it
-        x_static = torch.empty(x2.shape, dtype=x2.dtype, device=device)
-    x_static.copy_(x2)
+    key = (device.index if device.index is not None else torch.cuda.current_device(), stream.cuda_stream)
+    pool = _POOLS.get(key)
+    if pool is None:
+        pool = _POOLS[key] = _Pool(device)
+    m, k = x2.shape
+    x_in = pool.stage(x2.dtype, "in", m, k)
+    y_out = pool.stage(x2.dtype, "out", m, n)
+    x_in.copy_(x2)
     graph = torch.cuda.CUDAGraph()
-    side.wait_stream(stream)
-    with torch.cuda.stream(side):
-        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    pool.side.wait_stream(stream)
+    with torch.cuda.stream(pool.side):
+        graph.capture_begin(pool=pool.handle, capture_error_mode="thread_local")
         try:
-            y_static = call(x_static)
+            y_out.copy_(call(x_in))
         finally:
             graph.capture_end()
-    stream.wait_stream(side)
-    return _Entry(graph, x_static, y_static, ptrs)
+    stream.wait_stream(pool.side)
+    return _Entry(graph, x_in, y_out, ptrs)

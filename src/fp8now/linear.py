@@ -62,6 +62,7 @@ class Fp8Linear(nn.Module):
         self.batch_invariant: bool = config.batch_invariant
         self.use_decode_graphs: bool = config.decode_graphs
         self._graphs: decode_graphs.DecodeGraphs | None = None
+        self._graph_rows = 0
         self.name = name
         self.backend: str | None = None
         self._impl = None
@@ -125,8 +126,9 @@ class Fp8Linear(nn.Module):
         self._impl = backend_module(self.backend)
         self.split_counters = (split_counters(self.out_features, self.weight.device)
                                if self.backend == "triton" else None)
-        self._graphs = (decode_graphs.DecodeGraphs()
-                        if self.backend == "triton" and self.use_decode_graphs else None)
+        self._graph_rows = (decode_graphs.max_rows(self.out_features, self.in_features)
+                            if self.backend == "triton" and self.use_decode_graphs else 0)
+        self._graphs = decode_graphs.DecodeGraphs() if self._graph_rows else None
         return self.backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,8 +136,8 @@ class Fp8Linear(nn.Module):
             raise RuntimeError(f"Fp8Linear {self.name or ''} has no weight yet: call load_(w) first")
         x2 = x.reshape(-1, self.in_features)
         graphs = self._graphs
-        if graphs is not None and 0 < x2.shape[0] <= decode_graphs.MAX_M and decode_graphs.usable(x2):
-            y = graphs.run(x2, self._launch, self._addresses())
+        if graphs is not None and 0 < x2.shape[0] <= self._graph_rows and decode_graphs.usable(x2):
+            y = graphs.run(x2, self._launch, self.out_features, self._addresses())
         else:
             y = self._launch(x2)
         return y.reshape(*x.shape[:-1], self.out_features)
