@@ -207,3 +207,29 @@ def test_staging_buffers_grow_and_older_graphs_keep_theirs():
     for layer, plain, m in ((small, small_plain, 8), (big, big_plain, 200)):   # interleaved replays
         x = fresh((m, k), seed=50 + m)
         assert torch.equal(layer(x), plain(x))
+
+
+def test_threads_sharing_the_stream_get_their_own_results():
+    """Two threads replay different layers on the same stream: each copy-replay-clone runs under the
+    module lock, so neither reads the other's input from the shared staging buffer."""
+    import threading
+    n, k, m = 1024, 1024, 16
+    pairs = [pair(n, k, Scheme.CHANNEL, seed=s)[1:] for s in (60, 61)]
+    inputs = [[fresh((m, k), seed=100 * t + i) for i in range(40)] for t in range(2)]
+    expected = [[plain(x) for x in xs] for (_, plain), xs in zip(pairs, inputs)]
+    got: list[list[torch.Tensor]] = [[], []]
+
+    def work(t):
+        graphed = pairs[t][0]
+        for x in inputs[t]:
+            got[t].append(graphed(x))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    torch.cuda.synchronize()
+    for t in range(2):
+        assert len(pairs[t][0]._graphs) == 1
+        assert all(torch.equal(y, e) for y, e in zip(got[t], expected[t])), t

@@ -23,7 +23,8 @@ caller its own tensor), and all of them capture into one memory pool, so the FP8
 and partial sums of every graph occupy the same pool blocks. What stays allocated is the pool's
 largest call, plus two staging buffers sized for the largest M x K and M x N seen (grown by doubling;
 a graph keeps the buffer it was captured on), not a buffer per graph and layer. Replays on one stream
-run one after another, so sharing is safe.
+run one after another, so sharing is safe; a lock keeps two threads' copy-replay-clone sequences on
+the shared buffers from interleaving.
 
 Bytes: a replay runs the same kernels on the same operands, so outputs are bit-identical to the plain
 call (tests/test_gpu_decode_graphs.py).
@@ -31,6 +32,7 @@ call (tests/test_gpu_decode_graphs.py).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -90,6 +92,7 @@ class _Pool:
 
 
 _POOLS: dict[tuple[int, int], _Pool] = {}
+_LOCK = threading.Lock()   # the staging buffers are shared by every layer on a stream, across threads
 
 
 def usable(x2: torch.Tensor) -> bool:
@@ -136,21 +139,26 @@ class DecodeGraphs:
         this shape (`ptrs`: the data_ptr()s of the tensors `call` reads besides x2)."""
         stream = torch.cuda.current_stream(x2.device)
         key = (x2.shape[0], x2.dtype, stream.cuda_stream)
-        entry = self.entries.get(key)
-        if entry is not None and entry.ptrs == ptrs:
-            entry.x.copy_(x2)
-            entry.graph.replay()
-            return entry.y.clone()
-        if entry is not None:               # the layer's tensors moved: this graph reads stale memory
-            del self.entries[key]
-        elif key not in self.seen or len(self.entries) >= MAX_GRAPHS:
-            self.seen.add(key)
-            return call(x2)
-        entry = _capture(x2, call, n, stream, ptrs)
-        self.entries[key] = entry
-        entry.x.copy_(x2)
-        entry.graph.replay()
-        return entry.y.clone()
+        with _LOCK:   # copy in, replay, clone out must not interleave with another thread's on the buffers
+            entry = self.entries.get(key)
+            if entry is not None:
+                if entry.ptrs == ptrs:
+                    return _replay(entry, x2)
+                del self.entries[key]           # the layer's tensors moved: this graph reads stale memory
+                capture = True
+            else:                               # capture at the second sighting, while below the cap
+                capture = key in self.seen and len(self.entries) < MAX_GRAPHS
+                self.seen.add(key)
+            if capture:
+                entry = self.entries[key] = _capture(x2, call, n, stream, ptrs)
+                return _replay(entry, x2)
+        return call(x2)
+
+
+def _replay(entry: _Entry, x2: torch.Tensor) -> torch.Tensor:
+    entry.x.copy_(x2)
+    entry.graph.replay()
+    return entry.y.clone()
 
 
 def _capture(x2: torch.Tensor, call: Callable[[torch.Tensor], torch.Tensor], n: int,
