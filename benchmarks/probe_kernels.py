@@ -97,6 +97,23 @@ def section_large():
         print(f"large {m}x{n}x{k} done", file=sys.stderr, flush=True)
 
 
+def same_bytes(q, s, q0, s0) -> bool:
+    """FP8 bytes and scales equal to the shipped launch's."""
+    return bool(torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0))
+
+
+def sweep_config(name, run, same, gb, m, k, rep_ms):
+    """One quantizer configuration of a sweep: run it, check its bytes, time it, and record the row
+    (or why it failed) in section "quant"."""
+    try:
+        run()
+        ok = same()
+        ms = bench(run, 5, rep_ms)
+        add(sec="quant", impl=name, M=m, K=k, ms=ms, tbs=gb / ms, same=ok)
+    except Exception as e:
+        add(sec="quant", impl=name, M=m, K=k, fail=f"{type(e).__name__}: {e}"[:200])
+
+
 # ------------------------------------------------------------------------------------------------
 def section_quant():
     from fp8now.kernels import triton_quant as tq
@@ -124,15 +141,8 @@ def section_quant():
                 tq._row_quant_kernel[(triton.cdiv(m, bm),)](
                     x, q, s, m, k, x.stride(0), q.stride(0), FMAX=E4M3FN.fmax, FLOOR=E4M3FN.min_scale,
                     BLOCK_M=bm, BLOCK_K=bk, SINGLE=single, EARLY=False, num_warps=w)
-            try:
-                run()
-                same = bool(torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0))
-                ms = bench(run, 5, 15)
-                add(sec="quant", impl=f"{'single' if single else 'chunk'} bk={bk} bm={bm} w={w}", M=m, K=k,
-                    ms=ms, tbs=gb / ms, same=same)
-            except Exception as e:
-                add(sec="quant", impl=f"single={single} bk={bk} bm={bm} w={w}", M=m, K=k,
-                    fail=f"{type(e).__name__}: {e}"[:200])
+            sweep_config(f"{'single' if single else 'chunk'} bk={bk} bm={bm} w={w}", run,
+                         lambda: same_bytes(q, s, q0, s0), gb, m, k, rep_ms=15)
         del x, q0, s0
         torch.cuda.empty_cache()
         print(f"quant {m}x{k} done", file=sys.stderr, flush=True)
@@ -164,15 +174,8 @@ def section_gquant():
                                 x, q, sb, m, k, x.stride(0), q.stride(0), sb.stride(0), sb.stride(1),
                                 FMAX=E4M3FN.fmax, FLOOR=tq.GROUP_AMAX_FLOOR, BLOCK_M=bm, GROUPS=groups,
                                 GROUP_K=tq.GROUP, num_warps=w)
-                        name = f"group col={col} g={groups} bm={bm} w={w}"
-                        try:
-                            run()
-                            same = bool(torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
-                                        and torch.equal(sb, s0))
-                            ms = bench(run, 5, 10)
-                            add(sec="quant", impl=name, M=m, K=k, ms=ms, tbs=gb / ms, same=same)
-                        except Exception as e:
-                            add(sec="quant", impl=name, M=m, K=k, fail=f"{type(e).__name__}: {e}"[:200])
+                        sweep_config(f"group col={col} g={groups} bm={bm} w={w}", run,
+                                     lambda: same_bytes(q, sb, q0, s0), gb, m, k, rep_ms=10)
             del q0, s0
         del x
         torch.cuda.empty_cache()

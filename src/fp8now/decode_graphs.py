@@ -66,17 +66,23 @@ class _Pool:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.handle, self.side, self.anchor = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device), \
-            torch.cuda.CUDAGraph()
+        self.handle, self.side = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
         self.stages: dict[tuple[torch.dtype, str], torch.Tensor] = {}
         scratch = torch.zeros(1, device=device)
-        self.side.wait_stream(torch.cuda.current_stream(device))
+        self.anchor = self.record(torch.cuda.current_stream(device), lambda: scratch.add_(1))
+
+    def record(self, stream: torch.cuda.Stream, fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+        """A graph of `fn`, captured into the pool on the side stream after `stream`'s pending work."""
+        graph = torch.cuda.CUDAGraph()
+        self.side.wait_stream(stream)
         with torch.cuda.stream(self.side):
-            self.anchor.capture_begin(pool=self.handle, capture_error_mode="thread_local")
+            graph.capture_begin(pool=self.handle, capture_error_mode="thread_local")
             try:
-                scratch.add_(1)
+                fn()
             finally:
-                self.anchor.capture_end()
+                graph.capture_end()
+        stream.wait_stream(self.side)
+        return graph
 
     def stage(self, dtype: torch.dtype, which: str, rows: int, cols: int) -> torch.Tensor:
         """A [rows, cols] view of the shared staging buffer, grown (doubling) when too small; graphs
@@ -120,10 +126,6 @@ class DecodeGraphs:
         self.entries: dict[tuple, _Entry] = {}
         self.seen: set[tuple] = set()
 
-    def clear(self) -> None:
-        self.entries.clear()
-        self.seen.clear()
-
     def __len__(self) -> int:
         return len(self.entries)
 
@@ -165,22 +167,13 @@ def _capture(x2: torch.Tensor, call: Callable[[torch.Tensor], torch.Tensor], n: 
              stream: torch.cuda.Stream, ptrs: tuple) -> _Entry:
     """Capture `call` on the pool's side stream: read the shared input buffer, write the shared output
     buffer; the call's own result is an intermediate of the pool, free once the capture ends."""
-    device = x2.device
-    key = (device.index if device.index is not None else torch.cuda.current_device(), stream.cuda_stream)
+    key = (x2.device.index, stream.cuda_stream)     # a CUDA tensor's device always has its index
     pool = _POOLS.get(key)
     if pool is None:
-        pool = _POOLS[key] = _Pool(device)
+        pool = _POOLS[key] = _Pool(x2.device)
     m, k = x2.shape
     x_in = pool.stage(x2.dtype, "in", m, k)
     y_out = pool.stage(x2.dtype, "out", m, n)
     x_in.copy_(x2)
-    graph = torch.cuda.CUDAGraph()
-    pool.side.wait_stream(stream)
-    with torch.cuda.stream(pool.side):
-        graph.capture_begin(pool=pool.handle, capture_error_mode="thread_local")
-        try:
-            y_out.copy_(call(x_in))
-        finally:
-            graph.capture_end()
-    stream.wait_stream(pool.side)
+    graph = pool.record(stream, lambda: y_out.copy_(call(x_in)))
     return _Entry(graph, x_in, y_out, ptrs)

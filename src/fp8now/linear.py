@@ -135,9 +135,8 @@ class Fp8Linear(nn.Module):
         if self._impl is None:
             raise RuntimeError(f"Fp8Linear {self.name or ''} has no weight yet: call load_(w) first")
         x2 = x.reshape(-1, self.in_features)
-        graphs = self._graphs
-        if graphs is not None and 0 < x2.shape[0] <= self._graph_rows and decode_graphs.usable(x2):
-            y = graphs.run(x2, self._launch, self.out_features, self._addresses())
+        if 0 < x2.shape[0] <= self._graph_rows and decode_graphs.usable(x2):   # rows > 0: _graphs is set
+            y = self._graphs.run(x2, self._launch, self.out_features, self._addresses())
         else:
             y = self._launch(x2)
         return y.reshape(*x.shape[:-1], self.out_features)
