@@ -17,6 +17,8 @@ Sections (argv: a comma list, default all):
   started inside 128-row tiles: every implementation then looked equally wrong.)
 - `blockm`: block scheme at M = 32-256, Triton block GEMM vs cuBLAS blockwise (CUDA graphs).
 - `host`: host µs per eager call of Fp8Linear (with and without decode graphs) and its parts (GPU kept busy).
+- `launch`: host µs and eager time with `triton_launch`'s shortcut on and off; bytes compared.
+- `launchparts`: the host cost of one quantizer call taken apart, and a cProfile of eager calls.
 - `decode`: programmatic dependent launch (PDL) of the decode kernel after the quantizer, GPU time in
   CUDA graphs; PDL results checked bit-identical to the plain launch, eager and replayed.
 
@@ -298,6 +300,100 @@ def section_host():
         print(f"host M={m} done", file=sys.stderr, flush=True)
 
 
+def section_launch():
+    """Host µs per eager call with triton_launch's shortcut on and off (the GPU kept busy), do_bench
+    of the plain eager layer both ways against bf16, and the bytes of both ways compared."""
+    from fp8now import Fp8Config, Fp8Linear, Scheme
+    from fp8now.kernels import triton_launch as tlaunch, triton_quant as tq
+    for n, k in ((4096, 4096), (4096, 14336)):
+        lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(varied(n, k, seed=3, device="cuda"))
+        plain = {s: Fp8Linear.from_linear(lin, Fp8Config(scheme=Scheme(s), decode_graphs=False))
+                 for s in ("tensor", "channel", "block")}
+        graphs = {s: Fp8Linear.from_linear(lin, Fp8Config(scheme=Scheme(s))) for s in ("channel", "block")}
+        for m in (1, 16, 256, 1024):
+            x = varied(m, k, seed=m + 1, device="cuda")
+            base = dict(sec="launch", M=m, N=n, K=k)
+            add(**base, impl="bf16", us=host_us(lambda: torch.nn.functional.linear(x, lin.weight)),
+                ms=bench(lambda: torch.nn.functional.linear(x, lin.weight), 10, 25))
+            for fast in (False, True):
+                tlaunch.ENABLED = fast
+                tag = "fast" if fast else "triton"
+                add(**base, impl=f"quantize_act_token {tag}", us=host_us(lambda: tq.quantize_act_token(x)))
+                add(**base, impl=f"quantize_act_group {tag}", us=host_us(lambda: tq.quantize_act_group(x)))
+                for s, layer in plain.items():
+                    add(**base, impl=f"{s} plain {tag}", us=host_us(lambda: layer(x)), ms=bench(lambda: layer(x), 10, 25))
+                if m <= 256:
+                    for s, layer in graphs.items():
+                        add(**base, impl=f"{s} graphs {tag}", us=host_us(lambda: layer(x)),
+                            ms=bench(lambda: layer(x), 10, 25))
+            tlaunch.ENABLED = False
+            ref = {s: layer(x) for s, layer in plain.items()}
+            tlaunch.ENABLED = True
+            for _ in range(2):
+                for s, layer in plain.items():
+                    add(**base, impl=f"{s} fast == triton", same=bool(torch.equal(layer(x), ref[s])))
+            add(**base, impl="kept keys", n=tlaunch.kept())
+            print(f"launch {n}x{k} M={m} done", file=sys.stderr, flush=True)
+
+
+def section_launchparts():
+    """Where the ~30 µs of host per quantizer call goes (GPU kept busy): triton's launch path and the
+    shortcut on prepared arguments, the C launcher alone, allocations, the whole wrapper; then a
+    cProfile of 300 eager channel calls (M = 16, no decode graphs)."""
+    import cProfile
+    import io
+    import pstats
+    from fp8now import Fp8Config, Fp8Linear, Scheme
+    from fp8now.kernels import triton_launch as tlaunch, triton_quant as tq
+    m, k = 16, 4096
+    x = varied(m, k, seed=1, device="cuda")
+    q = torch.empty((m, k), device="cuda", dtype=torch.float8_e4m3fn)
+    s = torch.empty((m,), device="cuda", dtype=torch.float32)
+    kern = tq._row_quant_kernel
+    single, bk, bm, warps = tq._row_plan(m, k)
+    grid = (triton.cdiv(m, bm),)
+    args = (x, q, s, m, k, x.stride(0), q.stride(0))
+    kw = dict(FMAX=448.0, FLOOR=tq.E4M3FN.min_scale, BLOCK_M=bm, BLOCK_K=bk, SINGLE=single, EARLY=False,
+              num_warps=warps)
+    compiled = kern[grid](*args, **kw)
+    stream = torch.cuda.current_stream().cuda_stream
+    tail = [kw[n] for n in kern.arg_names[len(args):]]
+    run = compiled.run
+    rows = {
+        "kernel[grid](...)": lambda: kern[grid](*args, **kw),
+        "triton_launch.launch(...)": lambda: tlaunch.launch(kern, grid, *args, **kw),
+        "compiled.run(...) (C launcher)": lambda: run(grid[0], 1, 1, stream, compiled.function,
+                                                      compiled.packed_metadata, None, None, None, *args, *tail),
+        "torch.empty x2": lambda: (torch.empty((m, k), device="cuda", dtype=torch.float8_e4m3fn),
+                                   torch.empty((m, 1), device="cuda", dtype=torch.float32)),
+        "torch.cuda.current_device()": lambda: torch.cuda.current_device(),
+        "quantize_act_token(x)": lambda: tq.quantize_act_token(x),
+        "F.linear bf16 (4096 x 4096)": None,
+    }
+    w = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
+    rows["F.linear bf16 (4096 x 4096)"] = lambda: torch.nn.functional.linear(x, w)
+    for name, fn in rows.items():
+        add(sec="launchparts", impl=name, M=m, us=min(host_us(fn) for _ in range(3)))
+    lin = torch.nn.Linear(k, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
+    layer = Fp8Linear.from_linear(lin, Fp8Config(scheme=Scheme("channel"), decode_graphs=False))
+    add(sec="launchparts", impl="channel layer (no graphs)", M=m, us=min(host_us(lambda: layer(x)) for _ in range(3)))
+    for _ in range(20):
+        layer(x)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(1.5e9))
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(300):
+        layer(x)
+    pr.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
+    add(sec="launchparts", impl="cProfile", M=m, text=buf.getvalue()[-5000:])
+
+
 # ------------------------------------------------------------------------------------------------
 def section_decode():
     from fp8now.kernels import split_counters, triton_decode as td, triton_gemm as tg, triton_quant as tq
@@ -512,6 +608,25 @@ def table():
                 print(f"{r['M']:>5} {r['impl']:34} {r['us']:7.1f}")
             elif "text" in r:
                 print(f"--- {r['impl']} M={r['M']}\n{r['text'][:3000]}")
+    print("\n== launch (host µs per call, GPU busy; eager do_bench µs; x = bf16 / this)")
+    bfl = bf16_times("launch")
+    for r in ROWS:
+        if r.get("sec") == "launch" and r.get("impl") != "bf16":
+            key = (r["M"], r["N"], r["K"])
+            if "us" in r:
+                extra = f" eager {1e3 * r['ms']:8.1f} us {bfl[key] / r['ms']:5.2f}x" if "ms" in r else ""
+                print(f"{r['M']:>5} {r['N']:>6} {r['K']:>6} {r['impl']:28} host {r['us']:7.1f}{extra}")
+            elif "same" in r and not r["same"]:
+                print(f"{key} {r['impl']} DIFFERENT BYTES")
+        elif r.get("sec") == "launch":
+            print(f"{r['M']:>5} {r['N']:>6} {r['K']:>6} bf16{'':24} host {r['us']:7.1f} eager {1e3 * r['ms']:8.1f} us")
+    print("\n== launchparts (host µs per call, GPU busy; min of 3)")
+    for r in ROWS:
+        if r.get("sec") == "launchparts":
+            if "us" in r:
+                print(f"{r['impl']:34} {r['us']:7.1f}")
+            elif "text" in r:
+                print(r["text"][:4500])
     print("\n== decode (graph us; x = bf16 / this)")
     bfd = bf16_times("decode", "graph")
     for r in ROWS:
