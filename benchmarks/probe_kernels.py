@@ -17,7 +17,6 @@ Sections (argv: a comma list, default all):
   started inside 128-row tiles: every implementation then looked equally wrong.)
 - `blockm`: block scheme at M = 32-256, Triton block GEMM vs cuBLAS blockwise (CUDA graphs).
 - `host`: host µs per eager call of Fp8Linear (with and without decode graphs) and its parts (GPU kept busy).
-- `launch`: host µs and eager time with `triton_launch`'s shortcut on and off; bytes compared.
 - `launchparts`: the host cost of one quantizer call taken apart, and a cProfile of eager calls.
 - `decode`: programmatic dependent launch (PDL) of the decode kernel after the quantizer, GPU time in
   CUDA graphs; PDL results checked bit-identical to the plain launch, eager and replayed.
@@ -300,53 +299,15 @@ def section_host():
         print(f"host M={m} done", file=sys.stderr, flush=True)
 
 
-def section_launch():
-    """Host µs per eager call with triton_launch's shortcut on and off (the GPU kept busy), do_bench
-    of the plain eager layer both ways against bf16, and the bytes of both ways compared."""
-    from fp8now import Fp8Config, Fp8Linear, Scheme
-    from fp8now.kernels import triton_launch as tlaunch, triton_quant as tq
-    for n, k in ((4096, 4096), (4096, 14336)):
-        lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad():
-            lin.weight.copy_(varied(n, k, seed=3, device="cuda"))
-        plain = {s: Fp8Linear.from_linear(lin, Fp8Config(scheme=Scheme(s), decode_graphs=False))
-                 for s in ("tensor", "channel", "block")}
-        graphs = {s: Fp8Linear.from_linear(lin, Fp8Config(scheme=Scheme(s))) for s in ("channel", "block")}
-        for m in (1, 16, 256, 1024):
-            x = varied(m, k, seed=m + 1, device="cuda")
-            base = dict(sec="launch", M=m, N=n, K=k)
-            add(**base, impl="bf16", us=host_us(lambda: torch.nn.functional.linear(x, lin.weight)),
-                ms=bench(lambda: torch.nn.functional.linear(x, lin.weight), 10, 25))
-            for fast in (False, True):
-                tlaunch.ENABLED = fast
-                tag = "fast" if fast else "triton"
-                add(**base, impl=f"quantize_act_token {tag}", us=host_us(lambda: tq.quantize_act_token(x)))
-                add(**base, impl=f"quantize_act_group {tag}", us=host_us(lambda: tq.quantize_act_group(x)))
-                for s, layer in plain.items():
-                    add(**base, impl=f"{s} plain {tag}", us=host_us(lambda: layer(x)), ms=bench(lambda: layer(x), 10, 25))
-                if m <= 256:
-                    for s, layer in graphs.items():
-                        add(**base, impl=f"{s} graphs {tag}", us=host_us(lambda: layer(x)),
-                            ms=bench(lambda: layer(x), 10, 25))
-            tlaunch.ENABLED = False
-            ref = {s: layer(x) for s, layer in plain.items()}
-            tlaunch.ENABLED = True
-            for _ in range(2):
-                for s, layer in plain.items():
-                    add(**base, impl=f"{s} fast == triton", same=bool(torch.equal(layer(x), ref[s])))
-            add(**base, impl="kept keys", n=tlaunch.kept())
-            print(f"launch {n}x{k} M={m} done", file=sys.stderr, flush=True)
-
-
 def section_launchparts():
-    """Where the ~30 µs of host per quantizer call goes (GPU kept busy): triton's launch path and the
-    shortcut on prepared arguments, the C launcher alone, allocations, the whole wrapper; then a
+    """Where the ~30 µs of host per quantizer call goes (GPU kept busy): triton's launch path on
+    prepared arguments, the C launcher alone, allocations, the whole wrapper; then a
     cProfile of 300 eager channel calls (M = 16, no decode graphs)."""
     import cProfile
     import io
     import pstats
     from fp8now import Fp8Config, Fp8Linear, Scheme
-    from fp8now.kernels import triton_launch as tlaunch, triton_quant as tq
+    from fp8now.kernels import triton_quant as tq
     m, k = 16, 4096
     x = varied(m, k, seed=1, device="cuda")
     q = torch.empty((m, k), device="cuda", dtype=torch.float8_e4m3fn)
@@ -363,7 +324,6 @@ def section_launchparts():
     run = compiled.run
     rows = {
         "kernel[grid](...)": lambda: kern[grid](*args, **kw),
-        "triton_launch.launch(...)": lambda: tlaunch.launch(kern, grid, *args, **kw),
         "compiled.run(...) (C launcher)": lambda: run(grid[0], 1, 1, stream, compiled.function,
                                                       compiled.packed_metadata, None, None, None, *args, *tail),
         "torch.empty x2": lambda: (torch.empty((m, k), device="cuda", dtype=torch.float8_e4m3fn),
@@ -608,18 +568,6 @@ def table():
                 print(f"{r['M']:>5} {r['impl']:34} {r['us']:7.1f}")
             elif "text" in r:
                 print(f"--- {r['impl']} M={r['M']}\n{r['text'][:3000]}")
-    print("\n== launch (host µs per call, GPU busy; eager do_bench µs; x = bf16 / this)")
-    bfl = bf16_times("launch")
-    for r in ROWS:
-        if r.get("sec") == "launch" and r.get("impl") != "bf16":
-            key = (r["M"], r["N"], r["K"])
-            if "us" in r:
-                extra = f" eager {1e3 * r['ms']:8.1f} us {bfl[key] / r['ms']:5.2f}x" if "ms" in r else ""
-                print(f"{r['M']:>5} {r['N']:>6} {r['K']:>6} {r['impl']:28} host {r['us']:7.1f}{extra}")
-            elif "same" in r and not r["same"]:
-                print(f"{key} {r['impl']} DIFFERENT BYTES")
-        elif r.get("sec") == "launch":
-            print(f"{r['M']:>5} {r['N']:>6} {r['K']:>6} bf16{'':24} host {r['us']:7.1f} eager {1e3 * r['ms']:8.1f} us")
     print("\n== launchparts (host µs per call, GPU busy; min of 3)")
     for r in ROWS:
         if r.get("sec") == "launchparts":

@@ -30,7 +30,6 @@ from ..numerics import E4M3FN, GROUP_AMAX_FLOOR
 from . import triton_gemm as tg
 from .triton_quant import _abs_bits, _as_f32, _to_fp8
 from .triton_support import sm90
-from .triton_launch import launch
 
 try:
     import triton
@@ -243,14 +242,14 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
                          f"{counters.dtype} on {counters.device}")
     if splits > 1 and (counters is None or counters.numel() < tiles):
         counters = torch.zeros(tiles, dtype=torch.int32, device=w_q.device)
-    pdl_opt = {"launch_pdl": True} if pdl and sm90(w_q.device) and not torch.compiler.is_compiling() else {}
-    launch(_decode_kernel, (tiles, splits),
+    launch = {"launch_pdl": True} if pdl and sm90(w_q.device) and not torch.compiler.is_compiling() else {}
+    _decode_kernel[(tiles, splits)](
         x2, x_scale if x_scale is not None else w_s, w_q, w_s, bias if bias is not None else w_s, y, part,
         counters if counters is not None else w_s, 1.0,
         M, N, K, k_split, x2.stride(0), sxm, sxk, w_q.stride(0), swn, swk, y.stride(0),
         ACT_GROUP=act == "group", QUANT_X=quant_x, ROWS=1 if M == 1 else cfg["BLOCK_M"], SPLITS=splits,
         HAS_BIAS=bias is not None, FMAX=E4M3FN.fmax, TOKEN_FLOOR=E4M3FN.min_scale,
         GROUP_FLOOR=GROUP_AMAX_FLOOR, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], PDL=bool(pdl_opt),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_opt)
+        BLOCK_K=cfg["BLOCK_K"], PDL=bool(launch),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch)
     return y

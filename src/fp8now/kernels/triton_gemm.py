@@ -22,7 +22,6 @@ import torch
 from ..numerics import E4M3FN
 
 from .triton_support import device_reason
-from .triton_launch import launch
 
 try:
     import triton
@@ -277,7 +276,7 @@ def _reduce_splits(part: torch.Tensor, x_s, sx: int, w_s, sw: int, bias, y: torc
                    scaled: bool) -> None:
     splits, m, n = part.shape
     block = 1024
-    launch(_split_reduce_kernel, (_cdiv(m * n, block),),
+    _split_reduce_kernel[(_cdiv(m * n, block),)](
         part, x_s, w_s, bias if bias is not None else part, y, m, n, sx, sw, y.stride(0), y.stride(1),
         SPLITS=splits, SCALED=scaled, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
 
@@ -374,7 +373,7 @@ def block_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: tor
     k_split, splits, out = _split_plan(cfg, M, N, K, y)
     grid = (_cdiv(M, cfg["BLOCK_M"]) * _cdiv(N, cfg["BLOCK_N"]), splits)
     # Without bias, b_ptr gets a read-only stand-in (never y: no argument aliases the written output).
-    launch(_block_gemm_kernel, grid,
+    _block_gemm_kernel[grid](
         x_q, x_s, w_q, w_s, bias if bias is not None else w_s, out,
         M, N, K, k_split,
         x_q.stride(0), x_q.stride(1), x_s.stride(0), x_s.stride(1),
@@ -459,7 +458,7 @@ def rowwise_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: t
         return y
     k_split, splits, out = _split_plan(cfg, M, N, K, y)
     grid = (_cdiv(M, cfg["BLOCK_M"]) * _cdiv(N, cfg["BLOCK_N"]), splits)
-    launch(_rowwise_gemm_kernel, grid,
+    _rowwise_gemm_kernel[grid](
         x_q, x_s, w_q, w_s, bias if bias is not None else w_s, out, 1.0,
         M, N, K, k_split,
         x_q.stride(0), x_q.stride(1), sx, w_q.stride(0), w_q.stride(1), sw,
@@ -568,7 +567,7 @@ def w8a16_gemm(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group: tup
     y = torch.empty((M, N), dtype=out_dtype, device=x2.device)
     if M > 0 and N > 0:
         grid = (_cdiv(M, cfg["BLOCK_M"]) * _cdiv(N, cfg["BLOCK_N"]),)
-        launch(_w8a16_gemm_kernel, grid,
+        _w8a16_gemm_kernel[grid](
             x2, w_u8, w_s, bias if bias is not None else w_s, y,
             M, N, K,
             x2.stride(0), x2.stride(1), w_u8.stride(0), w_u8.stride(1), swn, swk,

@@ -25,7 +25,6 @@ from ..config import Scheme
 from ..numerics import BLOCK_AMAX_FLOOR, E4M3FN, GROUP_AMAX_FLOOR, Fp8Format
 
 from .triton_support import device_reason, sm90
-from .triton_launch import launch
 
 try:
     import triton
@@ -168,7 +167,7 @@ def _launch_row(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8Form
     if M == 0:
         return
     single, block_k, block_m, warps = _row_plan(M, K)
-    launch(_row_quant_kernel, (triton.cdiv(M, block_m),),
+    _row_quant_kernel[(triton.cdiv(M, block_m),)](
         x2, q, s, M, K, x2.stride(0), q.stride(0),
         FMAX=fmt.fmax, FLOOR=fmt.min_scale, BLOCK_M=block_m, BLOCK_K=block_k, SINGLE=single,
         EARLY=early_launch and sm90(x2.device), num_warps=warps)
@@ -234,7 +233,7 @@ def quantize_act_group(x: torch.Tensor, col_major: bool = False, fmt: Fp8Format 
         return q, s
     block_m, groups, warps = _group_plan(M, n_groups, col_major)
     grid = (triton.cdiv(M, block_m), triton.cdiv(n_groups, groups))
-    launch(_group_quant_kernel, grid,
+    _group_quant_kernel[grid](
         x2, q, s, M, K, x2.stride(0), q.stride(0), s.stride(0), s.stride(1),
         FMAX=fmt.fmax, FLOOR=GROUP_AMAX_FLOOR, BLOCK_M=block_m, GROUPS=groups, GROUP_K=GROUP,
         num_warps=warps)
@@ -283,7 +282,7 @@ def _launch_amax(x2: torch.Tensor, amax_bits: torch.Tensor) -> None:
     bk = min(_pow2(K), 1024)
     bm = min(_pow2(M), max(1, 8192 // bk))
     k_iters = max(1, min(triton.cdiv(K, bk), 65536 // (bm * bk)))
-    launch(_amax_kernel, (triton.cdiv(M, bm), triton.cdiv(K, bk * k_iters)),
+    _amax_kernel[(triton.cdiv(M, bm), triton.cdiv(K, bk * k_iters))](
         x2, amax_bits, M, K, x2.stride(0),
         BLOCK_M=bm, BLOCK_K=bk, K_ITERS=k_iters, num_warps=_warps(bm * bk))
 
@@ -317,7 +316,7 @@ def _launch_tensor(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, amax_bits
     _launch_amax(x2, amax_bits)
     bk = min(_pow2(K), 2048)  # 8K-element tiles
     bm = min(_pow2(M), max(1, 8192 // bk))
-    launch(_tensor_quant_kernel, (triton.cdiv(M, bm), triton.cdiv(K, bk)),
+    _tensor_quant_kernel[(triton.cdiv(M, bm), triton.cdiv(K, bk))](
         x2, q, amax_bits, s, M, K, x2.stride(0), q.stride(0),
         FMAX=fmt.fmax, FLOOR=fmt.min_scale, BLOCK_M=bm, BLOCK_K=bk, num_warps=_warps(bm * bk))
 
@@ -360,7 +359,7 @@ def _launch_block(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8For
     N, K = w.shape
     if N == 0 or K == 0:
         return
-    launch(_block_quant_kernel, (triton.cdiv(N, GROUP), triton.cdiv(K, GROUP)),
+    _block_quant_kernel[(triton.cdiv(N, GROUP), triton.cdiv(K, GROUP))](
         w, q, s, N, K, w.stride(0), q.stride(0), s.stride(0),
         FMAX=fmt.fmax, FLOOR=BLOCK_AMAX_FLOOR, BLOCK=GROUP, num_warps=8)
 
