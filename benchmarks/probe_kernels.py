@@ -18,6 +18,7 @@ Sections (argv: a comma list, default all):
 - `blockm`: block scheme at M = 32-256, Triton block GEMM vs cuBLAS blockwise (CUDA graphs).
 - `host`: host µs per eager call of Fp8Linear (with and without decode graphs) and its parts (GPU kept busy).
 - `launchparts`: the host cost of one quantizer call taken apart, and a cProfile of eager calls.
+- `m1cublas`: M = 1 tensor / channel through cuBLAS tensorwise / rowwise vs the shipped decode path.
 - `decode`: programmatic dependent launch (PDL) of the decode kernel after the quantizer, GPU time in
   CUDA graphs; PDL results checked bit-identical to the plain launch, eager and replayed.
 
@@ -354,6 +355,51 @@ def section_launchparts():
     add(sec="launchparts", impl="cProfile", M=m, text=buf.getvalue()[-5000:])
 
 
+def section_m1cublas():
+    """M = 1: per token equals per tensor for one row, so a tensor-scheme call could use cuBLAS
+    tensorwise `_scaled_mm` (0-d scales) and a channel call rowwise; against the shipped decode path
+    (quantizer + split-K decode kernel), eager (do_bench) and GPU time (graphs of 8 weight copies)."""
+    from fp8now import Scheme
+    from fp8now.kernels import split_counters, torch_mm, triton_fp8, triton_quant as tq
+    from fp8now.numerics import quantize_weight
+    copies = 8
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192), (57344, 8192),
+              (8192, 28672)]
+    for n, k in shapes:
+        w = varied(n, k, seed=n + 5 * k, device="cuda")
+        wq = {sch: [tuple(t.clone() for t in quantize_weight(w, sch)) for _ in range(copies)]
+              for sch in ("tensor", "channel")}
+        cnt = [split_counters(n, "cuda") for _ in range(copies)]
+        ws = [w.clone() for _ in range(copies)]
+        x = varied(1, k, seed=n, device="cuda")
+        base = dict(M=1, N=n, K=k)
+
+        def shipped(sch, i):
+            q_w, s_w = wq[sch][i]
+            return triton_fp8.linear(x, q_w, s_w, None, Scheme(sch), "token", counters=cnt[i])
+
+        def cublas(sch, i):
+            q_w, s_w = wq[sch][i]
+            q, s = tq.quantize_act_token(x)
+            if sch == "tensor":
+                return torch_mm.rowwise_mm(q, s.reshape(()), q_w, s_w.reshape(()), None, torch.bfloat16)
+            return torch_mm.rowwise_mm(q, s, q_w, s_w, None, torch.bfloat16)
+        calls = {"bf16": lambda i: torch.nn.functional.linear(x, ws[i])}
+        for sch in ("tensor", "channel"):
+            calls[f"{sch} shipped"] = lambda i, sch=sch: shipped(sch, i)
+            calls[f"{sch} cublas"] = lambda i, sch=sch: cublas(sch, i)
+        for name, call in calls.items():
+            try:
+                err = 0.0 if name == "bf16" else rel(call(0), shipped(name.split()[0], 0))
+                add(sec="m1cublas", impl=name, ms=bench(lambda: call(0), 10, 25),
+                    graph=graph_ms(lambda i, call=call: (lambda: call(i)), copies, 5, 20), err=err, **base)
+            except Exception as e:
+                add(sec="m1cublas", impl=name, fail=f"{type(e).__name__}: {e}"[:300], **base)
+        del w, wq, cnt, ws
+        torch.cuda.empty_cache()
+        print(f"m1cublas {n}x{k} done", file=sys.stderr, flush=True)
+
+
 # ------------------------------------------------------------------------------------------------
 def section_decode():
     from fp8now.kernels import split_counters, triton_decode as td, triton_gemm as tg, triton_quant as tq
@@ -575,6 +621,16 @@ def table():
                 print(f"{r['impl']:34} {r['us']:7.1f}")
             elif "text" in r:
                 print(r["text"][:4500])
+    print("\n== m1cublas (M = 1; eager us / graph us; x = bf16 / this)")
+    bfm = {(r["N"], r["K"]): r for r in ROWS if r.get("sec") == "m1cublas" and r["impl"] == "bf16" and "ms" in r}
+    for r in ROWS:
+        if r.get("sec") == "m1cublas" and r["impl"] != "bf16":
+            b = bfm.get((r["N"], r["K"]))
+            if "fail" in r or b is None:
+                print(f"{r['N']}x{r['K']} {r['impl']} FAILED {r.get('fail', 'no bf16 row')[:100]}")
+                continue
+            print(f"{r['N']:>6} {r['K']:>6} {r['impl']:16} eager {1e3 * r['ms']:7.1f} {b['ms'] / r['ms']:5.2f}x "
+                  f"graph {1e3 * r['graph']:7.1f} {b['graph'] / r['graph']:5.2f}x err {r['err']:.1e}")
     print("\n== decode (graph us; x = bf16 / this)")
     bfd = bf16_times("decode", "graph")
     for r in ROWS:

@@ -8,6 +8,11 @@ Per call, by M (the thresholds are the dispatch data, measured on the H200, BENC
     inside the kernel lost almost everywhere: every program first reads its rows over all of K).
     At M <= PDL_MAX_M the decode kernel is a programmatic dependent launch (sm_90): it starts while
     the quantizer runs (1.01-1.08x faster over the 12 measured rows at M = 1 and 4, mixed at 16).
+  - tensor, M = 1 (TENSORWISE_M1): one row's per-token scale is a per-tensor scale, so the Triton
+    quantizer, then cuBLAS tensorwise `_scaled_mm` with both scales 0-d. GPU time in CUDA graphs
+    against the quantizer + decode kernel (probe_kernels.py m1cublas, H200): 1.05-1.21x faster on 6
+    of the 7 benchmark shapes (57344 x 8192: 116.5 vs 139.2 µs), 0.97x on 4096 x 14336. Rowwise
+    cuBLAS at M = 1 (channel) is slower than the decode kernel on every shape (0.55-0.87x).
   - block, M = 1 and N <= FUSED_BLOCK_MAX_N: `decode_linear` quantizing the 1x128 groups itself
     (one launch; 1.03-1.12x faster than the three-launch path at N <= 8192, 0.84-0.95x at N >= 28672).
   - block otherwise: the Triton group quantizer, then the split-K Triton block GEMM (its reduce
@@ -37,6 +42,7 @@ from . import torch_mm, triton_decode, triton_gemm, triton_quant
 TRITON_MAX_M = {"rowwise": 64, "block": 32}   # at or below: the Triton GEMMs (split-K for decode)
 FUSED_BLOCK_MAX_N = 8192  # block, M = 1: quantize inside the decode kernel up to this many outputs
 PDL_MAX_M = 4             # tensor / channel decode: programmatic dependent launch up to this M
+TENSORWISE_M1 = True      # tensor scheme, M = 1: cuBLAS tensorwise instead of the decode kernel
 BLOCK_GEMM = "torch"    # "torch" (blockwise F.scaled_mm) or "triton" above TRITON_MAX_M["block"]
 
 
@@ -63,6 +69,9 @@ def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torc
     """y [M, N] = quantize(x [M, K]) @ W.T + bias in x.dtype; `counters`: the layer's split-K counters."""
     m = x.shape[0]
     if m <= triton_decode.MAX_M and not batch_invariant:
+        if scheme is Scheme.TENSOR and m == 1 and TENSORWISE_M1:
+            x_q, x_s = triton_quant.quantize_act_token(x)
+            return torch_mm.rowwise_mm(x_q, x_s.reshape(()), w_q, w_scale.reshape(()), bias, x.dtype)
         if scheme is not Scheme.BLOCK:
             pdl = m <= PDL_MAX_M
             x_q, x_s = triton_quant.quantize_act_token(x, early_launch=pdl)
