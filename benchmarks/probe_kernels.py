@@ -18,7 +18,7 @@ Sections (argv: a comma list, default all):
 - `blockm`: block scheme at M = 32-256, Triton block GEMM vs cuBLAS blockwise (CUDA graphs).
 - `host`: host µs per eager call of Fp8Linear (with and without decode graphs) and its parts (GPU kept busy).
 - `launchparts`: the host cost of one quantizer call taken apart, and a cProfile of eager calls.
-- `m1cublas`: M = 1 tensor / channel through cuBLAS tensorwise / rowwise vs the shipped decode path.
+- `m1cublas`: M = 1 tensor / channel through cuBLAS tensorwise / rowwise vs the decode-kernel path.
 - `decode`: programmatic dependent launch (PDL) of the decode kernel after the quantizer, GPU time in
   CUDA graphs; PDL results checked bit-identical to the plain launch, eager and replayed.
 
@@ -317,7 +317,8 @@ def section_launchparts():
     single, bk, bm, warps = tq._row_plan(m, k)
     grid = (triton.cdiv(m, bm),)
     args = (x, q, s, m, k, x.stride(0), q.stride(0))
-    kw = dict(FMAX=448.0, FLOOR=tq.E4M3FN.min_scale, BLOCK_M=bm, BLOCK_K=bk, SINGLE=single, EARLY=False,
+    w = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
+    kw = dict(FMAX=tq.E4M3FN.fmax, FLOOR=tq.E4M3FN.min_scale, BLOCK_M=bm, BLOCK_K=bk, SINGLE=single, EARLY=False,
               num_warps=warps)
     compiled = kern[grid](*args, **kw)
     stream = torch.cuda.current_stream().cuda_stream
@@ -331,10 +332,8 @@ def section_launchparts():
                                    torch.empty((m, 1), device="cuda", dtype=torch.float32)),
         "torch.cuda.current_device()": lambda: torch.cuda.current_device(),
         "quantize_act_token(x)": lambda: tq.quantize_act_token(x),
-        "F.linear bf16 (4096 x 4096)": None,
+        "F.linear bf16 (4096 x 4096)": lambda: torch.nn.functional.linear(x, w),
     }
-    w = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
-    rows["F.linear bf16 (4096 x 4096)"] = lambda: torch.nn.functional.linear(x, w)
     for name, fn in rows.items():
         add(sec="launchparts", impl=name, M=m, us=min(host_us(fn) for _ in range(3)))
     lin = torch.nn.Linear(k, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -357,10 +356,10 @@ def section_launchparts():
 
 def section_m1cublas():
     """M = 1: per token equals per tensor for one row, so a tensor-scheme call could use cuBLAS
-    tensorwise `_scaled_mm` (0-d scales) and a channel call rowwise; against the shipped decode path
-    (quantizer + split-K decode kernel), eager (do_bench) and GPU time (graphs of 8 weight copies)."""
-    from fp8now import Scheme
-    from fp8now.kernels import split_counters, torch_mm, triton_fp8, triton_quant as tq
+    tensorwise `_scaled_mm` (0-d scales) and a channel call rowwise; against the decode path
+    (quantizer + split-K decode kernel), eager (do_bench) and GPU time (graphs of 8 weight copies).
+    (Run 13 labelled the decode path "shipped"; tensor at M = 1 has shipped the cuBLAS one since.)"""
+    from fp8now.kernels import split_counters, torch_mm, triton_decode as td, triton_quant as tq
     from fp8now.numerics import quantize_weight
     copies = 8
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192), (57344, 8192),
@@ -374,9 +373,10 @@ def section_m1cublas():
         x = varied(1, k, seed=n, device="cuda")
         base = dict(M=1, N=n, K=k)
 
-        def shipped(sch, i):
+        def decode(sch, i):  # the M = 1 tensor / channel path before TENSORWISE_M1 (PDL at M = 1)
             q_w, s_w = wq[sch][i]
-            return triton_fp8.linear(x, q_w, s_w, None, Scheme(sch), "token", counters=cnt[i])
+            q, s = tq.quantize_act_token(x, early_launch=True)
+            return td.decode_linear(q, q_w, s_w, sch, "token", x_scale=s, counters=cnt[i], pdl=True)
 
         def cublas(sch, i):
             q_w, s_w = wq[sch][i]
@@ -386,11 +386,11 @@ def section_m1cublas():
             return torch_mm.rowwise_mm(q, s, q_w, s_w, None, torch.bfloat16)
         calls = {"bf16": lambda i: torch.nn.functional.linear(x, ws[i])}
         for sch in ("tensor", "channel"):
-            calls[f"{sch} shipped"] = lambda i, sch=sch: shipped(sch, i)
+            calls[f"{sch} decode"] = lambda i, sch=sch: decode(sch, i)
             calls[f"{sch} cublas"] = lambda i, sch=sch: cublas(sch, i)
         for name, call in calls.items():
             try:
-                err = 0.0 if name == "bf16" else rel(call(0), shipped(name.split()[0], 0))
+                err = 0.0 if name == "bf16" else rel(call(0), decode(name.split()[0], 0))
                 add(sec="m1cublas", impl=name, ms=bench(lambda: call(0), 10, 25),
                     graph=graph_ms(lambda i, call=call: (lambda: call(i)), copies, 5, 20), err=err, **base)
             except Exception as e:
@@ -560,6 +560,17 @@ def quant_family(impl: str) -> str:
     return "token" if "group" not in impl else ("group col" if "col=True" in impl else "group row")
 
 
+def print_host_rows(sec: str, what: str) -> None:
+    """The host-time rows of section `sec` (µs per call, or a cProfile text)."""
+    print(f"\n== {sec} ({what})")
+    for r in ROWS:
+        if r.get("sec") == sec:
+            if "us" in r:
+                print(f"{r['M']:>5} {r['impl']:34} {r['us']:7.1f}")
+            elif "text" in r:
+                print(f"--- {r['impl']} M={r['M']}\n{r['text'][:4500]}")
+
+
 def table():
     print("\n== cublas blockwise (x = bf16 / this; err vs float64)")
     bfc = bf16_times("cublas")
@@ -607,20 +618,8 @@ def table():
             key = (r["M"], r["N"], r["K"])
             print(f"{r['M']:>4} {r['N']:>6} {r['K']:>6} {r['impl']:8} {1e3 * r['graph']:7.1f} "
                   f"{bfb[key] / r['graph']:5.2f}x err={r['err']:.1e}")
-    print("\n== host (µs per eager call, GPU kept busy)")
-    for r in ROWS:
-        if r.get("sec") == "host":
-            if "us" in r:
-                print(f"{r['M']:>5} {r['impl']:34} {r['us']:7.1f}")
-            elif "text" in r:
-                print(f"--- {r['impl']} M={r['M']}\n{r['text'][:3000]}")
-    print("\n== launchparts (host µs per call, GPU busy; min of 3)")
-    for r in ROWS:
-        if r.get("sec") == "launchparts":
-            if "us" in r:
-                print(f"{r['impl']:34} {r['us']:7.1f}")
-            elif "text" in r:
-                print(r["text"][:4500])
+    print_host_rows("host", "µs per eager call, GPU kept busy")
+    print_host_rows("launchparts", "host µs per call, GPU busy; min of 3")
     print("\n== m1cublas (M = 1; eager us / graph us; x = bf16 / this)")
     bfm = {(r["N"], r["K"]): r for r in ROWS if r.get("sec") == "m1cublas" and r["impl"] == "bf16" and "ms" in r}
     for r in ROWS:
