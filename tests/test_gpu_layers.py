@@ -173,6 +173,35 @@ def test_decode_pdl_launch_reads_the_fresh_activation(scheme, m):
         assert torch.equal(y, w)
 
 
+_COMPILE_SCRIPT = """
+import sys, torch
+from fp8now import Fp8Config, Fp8Linear
+lin = torch.nn.Linear(2048, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
+layer = Fp8Linear.from_linear(lin, Fp8Config(scheme=sys.argv[1]))
+x = torch.randn(int(sys.argv[2]), 2048, device="cuda", dtype=torch.bfloat16)
+assert torch.equal(torch.compile(layer, fullgraph=True)(x), layer(x))
+"""
+
+
+@pytest.mark.parametrize("scheme,m", [("channel", 1), ("channel", 4), ("tensor", 4), ("block", 1),
+                                      ("channel", 512)])
+def test_compile_sees_which_inputs_each_kernel_writes(scheme, m):
+    """Under torch.compile, torch reads each Triton kernel's TTIR to learn which inputs it writes; an op
+    it cannot analyze (on triton 3.6, the inline asm of the PDL signal the quantizer sends at M <= 4
+    when launched eagerly) makes it log "assuming every input is mutated" and treat every input as
+    written. No fp8now kernel may do that. The check runs in a fresh process and reads its stderr:
+    a logging handler on torch's logger, tried first on the H200, saw no records even when the
+    message was printed."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, scheme, str(m)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "assuming every input is mutated" not in run.stderr, run.stderr[-2000:]
+
+
 @pytest.mark.parametrize("scheme", list(Scheme))
 def test_compile_fullgraph_and_cuda_graph(scheme):
     lin, layer = layer_for(1024, 2048, scheme, "auto")
