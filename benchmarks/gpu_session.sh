@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything on the H200. Usage (through the device tool):
-#   bash benchmarks/gpu_session.sh PHASES   with PHASES a comma list of: tune,decode,probe,profile,tests,core,quant,linear,quick,memory
+#   bash benchmarks/gpu_session.sh PHASES   with PHASES a comma list of: tune,decode,probe,profile,tests,core,quant,linear,quick,memory,model
 # Results land in $OUT (JSON + logs); the short tables print last.
 set -uo pipefail
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
@@ -57,5 +57,9 @@ if has linear; then
   timeout 560 python3 benchmarks/bench_linear.py ${LINEAR_SHAPES:+--shapes $LINEAR_SHAPES} --rep-ms ${REP_MS:-25} \
     ${LINEAR_M:+--m-values $LINEAR_M} ${LINEAR_NO_TORCHAO:+--no-torchao} ${LINEAR_KERNELS:+--kernels} \
     --out "$OUT/linear_h200.json" 2>&1 | tail -60
+fi
+if has model; then  # MODEL_ARGS: extra bench_model.py flags, e.g. "--torchao --compile --layers 2"
+  timeout 560 python3 benchmarks/bench_model.py --out "$OUT" ${MODEL_ARGS:-} 2>&1 \
+    | grep -v "UserWarning\|warn_once" | tee "$OUT/bench_model.log" | tail -40 || rc=1
 fi
 exit $rc
