@@ -20,7 +20,8 @@ its output against bf16 on fresh random inputs is reported (rel = |y - y_bf16| /
 CUDA: `PYTHONPATH=src python benchmarks/bench_model.py --out DIR [--layers 4] [--torchao] [--compile]`
 CPU smoke run (tiny dims, eager only): `... --device cpu --preset tiny`.
 Writes DIR/model_bench.json (rows: preset, layers, batch, seq, tokens, impl, mode, ms, rel; graph rows
-also rel_to_eager, and with `--profile` the GPU µs per kernel family) and prints
+also rel_to_eager, and with `--profile` the GPU µs per kernel family; `--host-profile` adds rows of
+mode "host-profile" with call counts and the costliest Python functions of an eager forward) and prints
 a table of speed-ups over bf16 (same mode, same run) last.
 """
 
@@ -191,6 +192,9 @@ def run(args) -> list[dict]:
             torch.cuda.empty_cache()
         print(f"  B={batch} T={seq} done", file=sys.stderr, flush=True)
         write(args.out, rows, notes)
+    if args.host_profile:
+        rows.extend(host_profile(models, cases[0], hidden, args))
+        write(args.out, rows, notes)
     if args.compile and dev != "cpu":
         torch._dynamo.config.recompile_limit = 1024   # no model may fall back to eager
         torch._dynamo.config.accumulated_recompile_limit = 4096
@@ -220,6 +224,48 @@ def run(args) -> list[dict]:
     return rows
 
 
+# Functions whose call counts say which path an eager FP8 call took (decode_graphs: replayed, captured,
+# or plain; the backend's linear runs once per plain call and once per capture).
+COUNTED = (("fp8now/decode_graphs.py", "_replay"), ("fp8now/decode_graphs.py", "_capture"),
+           ("fp8now/linear.py", "forward"), ("fp8now/kernels/triton_fp8.py", "linear"))
+
+
+def host_profile(models: dict, case: tuple[int, int], hidden: int, args, calls: int = 20) -> list[dict]:
+    """cProfile of `calls` eager forwards per model at one case: ms per forward (the wall time of the
+    profiled calls, profiler overhead included), calls per forward of COUNTED, the 12 costliest functions."""
+    import cProfile
+    import pstats
+    batch, seq = case
+    g = torch.Generator(device="cpu").manual_seed(batch * 10007 + seq)
+    x = torch.randn(batch, seq, hidden, generator=g).to(args.device, torch.bfloat16)
+    out = []
+    for name, model in models.items():
+        def call(model=model):
+            with torch.no_grad():
+                return model(inputs_embeds=x, use_cache=False).last_hidden_state
+        for _ in range(3):   # compile the kernels and capture fp8now's graphs first
+            call()
+        sync = torch.cuda.synchronize if args.device != "cpu" else (lambda: None)
+        sync()
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(calls):
+            call()
+        sync()
+        prof.disable()
+        ms = 1e3 * (time.perf_counter() - t0) / calls
+        stats = pstats.Stats(prof).stats   # {(file, line, func): (primitive calls, calls, tottime, cumtime, callers)}
+        counts = {f"{f}:{fn}": sum(v[1] for k, v in stats.items() if k[0].endswith(f) and k[2] == fn) / calls
+                  for f, fn in COUNTED}
+        top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:12]
+        out.append(dict(preset=args.preset, layers=args.layers, batch=batch, seq=seq, tokens=batch * seq,
+                        impl=name, mode="host-profile", ms=ms, rel=None, calls_per_forward=counts,
+                        top=[dict(fn=f"{os.path.basename(k[0])}:{k[1]}:{k[2]}", calls=v[1] / calls,
+                                  us=1e6 * v[2] / calls) for k, v in top]))
+    return out
+
+
 def write(out_dir: str, rows: list[dict], notes: list[str]) -> None:
     """The JSON and the notes, written through a temporary file (a cut-short run keeps what it has)."""
     os.makedirs(out_dir, exist_ok=True)
@@ -234,7 +280,8 @@ def write(out_dir: str, rows: list[dict], notes: list[str]) -> None:
 def summary(rows: list[dict]) -> str:
     """ms of bf16 and speed-up of every other impl over bf16, per (mode, batch, seq)."""
     impls = sorted({r["impl"] for r in rows} - {"bf16"})
-    base = {(r["mode"], r["batch"], r["seq"]): r["ms"] for r in rows if r["impl"] == "bf16"}
+    base = {(r["mode"], r["batch"], r["seq"]): r["ms"] for r in rows
+            if r["impl"] == "bf16" and r["mode"] != "host-profile"}
     got = {(r["mode"], r["batch"], r["seq"], r["impl"]): r for r in rows}
     lines = [f"{'mode':>8} {'B':>4} {'T':>5} {'bf16 ms':>8} " + " ".join(f"{i[:15]:>15}" for i in impls)
              + "   max rel vs bf16"]
@@ -247,6 +294,11 @@ def summary(rows: list[dict]) -> str:
                 rels.append(r["rel"])
         lines.append(f"{mode:>8} {b:>4} {t:>5} {ms:8.3f} " + " ".join(cells)
                      + (f"   {max(rels):.3f}" if rels else ""))
+    for r in rows:
+        if r["mode"] == "host-profile":
+            lines.append(f"  {r['impl']:>15} B={r['batch']} T={r['seq']} host-profiled eager {r['ms']:8.3f} ms: "
+                         + ", ".join(f"{k.rsplit(':', 1)[1]} {v:g}" for k, v in r["calls_per_forward"].items())
+                         + " calls per forward")
     for r in rows:
         if "kernels" in r:
             lines.append(f"  {r['impl']:>15} B={r['batch']} T={r['seq']} graph {r['ms'] * 1e3:9.1f} us: "
@@ -270,6 +322,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--compile-mode", default="reduce-overhead",
                     help="torch.compile mode of the compiled rows (reduce-overhead: inductor's CUDA graphs)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="cProfile of eager forwards at the first case: which path each FP8 call took")
     ap.add_argument("--profile", action="store_true",
                     help="GPU time per kernel family of the graph replay, first and last case")
     args = ap.parse_args()

@@ -58,7 +58,7 @@ if has linear; then
     ${LINEAR_M:+--m-values $LINEAR_M} ${LINEAR_NO_TORCHAO:+--no-torchao} ${LINEAR_KERNELS:+--kernels} \
     --out "$OUT/linear_h200.json" 2>&1 | tail -60
 fi
-if has model; then  # MODEL_ARGS: extra bench_model.py flags, e.g. "--torchao --compile --layers 2"
+if has model; then  # MODEL_ARGS: extra bench_model.py flags, e.g. "--torchao --compile --layers 2 --host-profile"
   timeout 560 python3 benchmarks/bench_model.py --out "$OUT" ${MODEL_ARGS:-} 2>&1 \
     | grep -v "UserWarning\|warn_once" | tee "$OUT/bench_model.log" | tail -40 || rc=1
 fi
