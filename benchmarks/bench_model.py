@@ -21,7 +21,8 @@ CUDA: `PYTHONPATH=src python benchmarks/bench_model.py --out DIR [--layers 4] [-
 CPU smoke run (tiny dims, eager only): `... --device cpu --preset tiny`.
 Writes DIR/model_bench.json (rows: preset, layers, batch, seq, tokens, impl, mode, ms, rel; graph rows
 also rel_to_eager, and with `--profile` the GPU µs per kernel family; `--host-profile` adds rows of
-mode "host-profile" with call counts and the costliest Python functions of an eager forward) and prints
+mode "host-profile" (each decode case) with call counts and the costliest Python functions of an
+eager forward) and prints
 a table of speed-ups over bf16 (same mode, same run) last.
 """
 
@@ -193,7 +194,8 @@ def run(args) -> list[dict]:
         print(f"  B={batch} T={seq} done", file=sys.stderr, flush=True)
         write(args.out, rows, notes)
     if args.host_profile:
-        rows.extend(host_profile(models, cases[0], hidden, args))
+        for case in [c for c in cases if c[1] == 1] or cases[:1]:   # the decode cases
+            rows.extend(host_profile(models, case, hidden, args))
         write(args.out, rows, notes)
     if args.compile and dev != "cpu":
         torch._dynamo.config.recompile_limit = 1024   # no model may fall back to eager
@@ -231,7 +233,7 @@ COUNTED = (("fp8now/decode_graphs.py", "_replay"), ("fp8now/decode_graphs.py", "
 
 
 def host_profile(models: dict, case: tuple[int, int], hidden: int, args, calls: int = 20) -> list[dict]:
-    """cProfile of `calls` eager forwards per model at one case: ms per forward (the wall time of the
+    """cProfile of `calls` eager forwards per model at one (batch, seq) case: ms per forward (the wall time of the
     profiled calls, profiler overhead included), calls per forward of COUNTED, the 12 costliest functions."""
     import cProfile
     import pstats
@@ -323,7 +325,7 @@ def main() -> None:
     ap.add_argument("--compile-mode", default="reduce-overhead",
                     help="torch.compile mode of the compiled rows (reduce-overhead: inductor's CUDA graphs)")
     ap.add_argument("--host-profile", action="store_true",
-                    help="cProfile of eager forwards at the first case: which path each FP8 call took")
+                    help="cProfile of eager forwards at each decode case: which path each FP8 call took")
     ap.add_argument("--profile", action="store_true",
                     help="GPU time per kernel family of the graph replay, first and last case")
     args = ap.parse_args()
