@@ -73,9 +73,7 @@ def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torc
             x_q, x_s = triton_quant.quantize_act_token(x)
             return torch_mm.rowwise_mm(x_q, x_s.reshape(()), w_q, w_scale.reshape(()), bias, x.dtype)
         if scheme is not Scheme.BLOCK:
-            # PDL is a launch option, which torch.compile drops; the quantizer's early signal is then
-            # useless, and its inline asm makes torch assume the kernel mutates every input
-            pdl = m <= PDL_MAX_M and not torch.compiler.is_compiling()
+            pdl = m <= PDL_MAX_M
             x_q, x_s = triton_quant.quantize_act_token(x, early_launch=pdl)
             return triton_decode.decode_linear(x_q, w_q, w_scale, scheme.value, "token", bias,
                                                x_scale=x_s, counters=counters, out_dtype=x.dtype, pdl=pdl)

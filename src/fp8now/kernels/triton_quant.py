@@ -170,15 +170,17 @@ def _launch_row(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8Form
     _row_quant_kernel[(triton.cdiv(M, block_m),)](
         x2, q, s, M, K, x2.stride(0), q.stride(0),
         FMAX=fmt.fmax, FLOOR=fmt.min_scale, BLOCK_M=block_m, BLOCK_K=block_k, SINGLE=single,
-        EARLY=early_launch and sm90(x2.device), num_warps=warps)
+        EARLY=early_launch and sm90(x2.device) and not torch.compiler.is_compiling(), num_warps=warps)
 
 
 def quantize_act_token(x: torch.Tensor, fmt: Fp8Format = E4M3FN, *, early_launch: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token FP8: `x [..., K]` -> `(q [M, K] fp8, s [M, 1] float32)`, rule "row" (SPEC §4).
 
-    `early_launch` (sm_90+; ignored elsewhere): every program first signals that a kernel launched
-    next as a programmatic dependent (`triton_decode.decode_linear(..., pdl=True)`) may start.
+    `early_launch` (sm_90+; ignored elsewhere and under torch.compile): every program first signals
+    that a kernel launched next as a programmatic dependent (`triton_decode.decode_linear(...,
+    pdl=True)`) may start. torch.compile drops PDL launches, so the signal would be useless there, and
+    on triton 3.6 its inline asm makes torch assume the kernel writes every input.
     """
     x2 = _rows(x, "quantize_act_token")
     M, K = x2.shape
