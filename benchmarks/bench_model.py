@@ -38,6 +38,8 @@ import time
 
 import torch
 
+from bench_decode import rel
+
 PRESETS = {
     # Llama-3-8B: hidden 4096, 32 heads of 128 (8 key/value heads), MLP 14336
     "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -129,16 +131,26 @@ def kernel_times(fn) -> dict:
                 top=[dict(name=n, us=round(t, 1)) for t, n in top[:8]])
 
 
-def rel(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y.double() - ref.double()).norm() / ref.double().norm())
-
-
 def torchao_model(model: torch.nn.Module) -> torch.nn.Module:
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, quantize_
     from torchao.quantization.granularity import PerRow
     peer = copy.deepcopy(model)
     quantize_(peer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
     return peer
+
+
+def case_input(batch: int, seq: int, hidden: int, device: str) -> torch.Tensor:
+    """The seeded bf16 `inputs_embeds` [batch, seq, hidden] of one case (the same in every mode)."""
+    g = torch.Generator(device="cpu").manual_seed(batch * 10007 + seq)
+    return torch.randn(batch, seq, hidden, generator=g).to(device, torch.bfloat16)
+
+
+def forward_of(model: torch.nn.Module, x: torch.Tensor):
+    """The timed call: the decoder stack's last hidden state for `x`, without autograd or KV cache."""
+    def call():
+        with torch.no_grad():
+            return model(inputs_embeds=x, use_cache=False).last_hidden_state
+    return call
 
 
 def run(args) -> list[dict]:
@@ -162,16 +174,16 @@ def run(args) -> list[dict]:
     rows: list[dict] = []
     eager_out: dict[tuple, torch.Tensor] = {}  # for the compiled rows' check
     hidden = PRESETS[args.preset]["hidden_size"]
+    def row_of(batch: int, seq: int, name: str, **fields) -> dict:
+        return dict(preset=args.preset, layers=args.layers, batch=batch, seq=seq, tokens=batch * seq,
+                    impl=name, weight_bytes=sizes[name], **fields)
+
     for batch, seq in cases:
-        g = torch.Generator(device="cpu").manual_seed(batch * 10007 + seq)
-        x = torch.randn(batch, seq, hidden, generator=g).to(dev, torch.bfloat16)
+        x = case_input(batch, seq, hidden, dev)
         outs: dict[str, torch.Tensor] = {}
         for name, model in models.items():
-            def call(model=model):
-                with torch.no_grad():
-                    return model(inputs_embeds=x, use_cache=False).last_hidden_state
-            row = dict(preset=args.preset, layers=args.layers, batch=batch, seq=seq, tokens=batch * seq,
-                       impl=name, weight_bytes=sizes[name])
+            call = forward_of(model, x)
+            row = row_of(batch, seq, name)
             try:
                 y = call().clone()
                 outs[name] = eager_out[(name, batch, seq)] = y
@@ -195,7 +207,7 @@ def run(args) -> list[dict]:
         write(args.out, rows, notes)
     if args.host_profile:
         for case in [c for c in cases if c[1] == 1] or cases[:1]:   # the decode cases
-            rows.extend(host_profile(models, case, hidden, args))
+            rows.extend(row_of(*case, name, **fields) for name, fields in host_profile(models, case, hidden, args))
         write(args.out, rows, notes)
     if args.compile and dev != "cpu":
         torch._dynamo.config.recompile_limit = 1024   # no model may fall back to eager
@@ -204,20 +216,13 @@ def run(args) -> list[dict]:
             torch._dynamo.reset()  # the models share transformers' forward code: count each on its own
             compiled = torch.compile(model, mode=args.compile_mode)
             for batch, seq in cases:
-                g = torch.Generator(device="cpu").manual_seed(batch * 10007 + seq)
-                x = torch.randn(batch, seq, hidden, generator=g).to(dev, torch.bfloat16)
-
-                def call(compiled=compiled, x=x):
-                    with torch.no_grad():
-                        return compiled(inputs_embeds=x, use_cache=False).last_hidden_state
+                call = forward_of(compiled, case_input(batch, seq, hidden, dev))
                 try:
                     for _ in range(3):  # reduce-overhead records its graph after warm-up calls
                         y = call().clone()
                     eager = eager_out.get((name, batch, seq))
                     bf16 = eager_out.get(("bf16", batch, seq))
-                    rows.append(dict(preset=args.preset, layers=args.layers, batch=batch, seq=seq,
-                                     tokens=batch * seq, impl=name, weight_bytes=sizes[name], mode="compiled",
-                                     ms=bench_ms(call, dev, args.rep_ms),
+                    rows.append(row_of(batch, seq, name, mode="compiled", ms=bench_ms(call, dev, args.rep_ms),
                                      rel=None if name == "bf16" or bf16 is None else rel(y, bf16),
                                      rel_to_eager=None if eager is None else rel(y, eager)))
                 except Exception as e:
@@ -232,22 +237,20 @@ COUNTED = (("fp8now/decode_graphs.py", "_replay"), ("fp8now/decode_graphs.py", "
            ("fp8now/linear.py", "forward"), ("fp8now/kernels/triton_fp8.py", "linear"))
 
 
-def host_profile(models: dict, case: tuple[int, int], hidden: int, args, calls: int = 20) -> list[dict]:
-    """cProfile of `calls` eager forwards per model at one (batch, seq) case: ms per forward (the wall time of the
-    profiled calls, profiler overhead included), calls per forward of COUNTED, the 12 costliest functions."""
+def host_profile(models: dict, case: tuple[int, int], hidden: int, args,
+                 calls: int = 20) -> list[tuple[str, dict]]:
+    """(model name, row fields) of a cProfile of `calls` eager forwards per model at one (batch, seq)
+    case: ms per forward (the wall time of the profiled calls, profiler overhead included), calls per
+    forward of COUNTED, the 12 costliest functions."""
     import cProfile
     import pstats
-    batch, seq = case
-    g = torch.Generator(device="cpu").manual_seed(batch * 10007 + seq)
-    x = torch.randn(batch, seq, hidden, generator=g).to(args.device, torch.bfloat16)
+    x = case_input(*case, hidden, args.device)
+    sync = torch.cuda.synchronize if args.device != "cpu" else (lambda: None)
     out = []
     for name, model in models.items():
-        def call(model=model):
-            with torch.no_grad():
-                return model(inputs_embeds=x, use_cache=False).last_hidden_state
+        call = forward_of(model, x)
         for _ in range(3):   # compile the kernels and capture fp8now's graphs first
             call()
-        sync = torch.cuda.synchronize if args.device != "cpu" else (lambda: None)
         sync()
         prof = cProfile.Profile()
         t0 = time.perf_counter()
@@ -261,10 +264,9 @@ def host_profile(models: dict, case: tuple[int, int], hidden: int, args, calls: 
         counts = {f"{f}:{fn}": sum(v[1] for k, v in stats.items() if k[0].endswith(f) and k[2] == fn) / calls
                   for f, fn in COUNTED}
         top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:12]
-        out.append(dict(preset=args.preset, layers=args.layers, batch=batch, seq=seq, tokens=batch * seq,
-                        impl=name, mode="host-profile", ms=ms, rel=None, calls_per_forward=counts,
-                        top=[dict(fn=f"{os.path.basename(k[0])}:{k[1]}:{k[2]}", calls=v[1] / calls,
-                                  us=1e6 * v[2] / calls) for k, v in top]))
+        out.append((name, dict(mode="host-profile", ms=ms, rel=None, calls_per_forward=counts,
+                               top=[dict(fn=f"{os.path.basename(k[0])}:{k[1]}:{k[2]}", calls=v[1] / calls,
+                                         us=1e6 * v[2] / calls) for k, v in top])))
     return out
 
 

@@ -361,10 +361,9 @@ def section_m1cublas():
     (Run 13 labelled the decode path "shipped"; tensor at M = 1 has shipped the cuBLAS one since.)"""
     from fp8now.kernels import split_counters, torch_mm, triton_decode as td, triton_quant as tq
     from fp8now.numerics import quantize_weight
+    from bench_linear import SHAPES
     copies = 8
-    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192), (57344, 8192),
-              (8192, 28672)]
-    for n, k in shapes:
+    for n, k in SHAPES:
         w = varied(n, k, seed=n + 5 * k, device="cuda")
         wq = {sch: [tuple(t.clone() for t in quantize_weight(w, sch)) for _ in range(copies)]
               for sch in ("tensor", "channel")}

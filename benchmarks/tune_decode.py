@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from bench_decode import rel
 from bench_linear import SHAPES, bench, graph_ms, varied
 
 COPIES = 8
@@ -34,10 +35,6 @@ def grid():
         out.append(dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=warps,
                         num_stages=stages, SPLIT_K=split))
     return out
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
 
 
 def exact(x_q, x_s, w_q, w_s, scheme):
