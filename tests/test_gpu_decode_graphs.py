@@ -92,7 +92,7 @@ def test_moved_tensors_drop_the_graph():
     assert next(iter(graphed._graphs.entries.values())) is not old
 
 
-def test_at_most_max_graphs_per_layer_and_other_shapes_still_right():
+def test_at_most_max_graphs_per_layer_and_stream_and_other_shapes_still_right():
     n, k = 1024, 1024
     _, graphed, plain = pair(n, k, Scheme.TENSOR)
     for m in range(1, decode_graphs.MAX_GRAPHS + 4):
@@ -100,6 +100,32 @@ def test_at_most_max_graphs_per_layer_and_other_shapes_still_right():
             x = fresh((m, k), seed=m * 10 + i)
             assert torch.equal(graphed(x), plain(x)), m
     assert len(graphed._graphs) == decode_graphs.MAX_GRAPHS
+
+
+def test_the_cap_counts_per_stream():
+    """Shapes captured during a warm-up on side streams leave the default stream its own MAX_GRAPHS
+    slots: with one cap per layer, two side streams' captures made later default-stream shapes launch
+    plainly."""
+    n, k = 1024, 1024
+    _, graphed, plain = pair(n, k, Scheme.CHANNEL, seed=3)
+    cap = decode_graphs.MAX_GRAPHS
+    sides = [torch.cuda.Stream() for _ in range(2)]
+    for i, side in enumerate(sides):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for m in range(1, cap + 1):
+                for seed in (1, 2):
+                    x = fresh((m, k), seed=100 * i + 10 * m + seed)
+                    assert torch.equal(graphed(x), plain(x)), (i, m)
+        torch.cuda.current_stream().wait_stream(side)
+    assert len(graphed._graphs) == 2 * cap
+    for m in range(cap + 1, 2 * cap + 2):      # the default stream still captures cap shapes, not more
+        for seed in (1, 2, 3):
+            x = fresh((m, k), seed=1000 + 10 * m + seed)
+            assert torch.equal(graphed(x), plain(x)), m
+    assert len(graphed._graphs) == 3 * cap
+    default = torch.cuda.current_stream().cuda_stream
+    assert sum(key[2] == default for key in graphed._graphs.entries) == cap
 
 
 def test_strided_and_3d_inputs():

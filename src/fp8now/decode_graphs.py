@@ -11,8 +11,13 @@ When: the triton backend on CUDA, M <= max_rows(N, K) (at most MAX_M; none for l
 GPU-bound anyway, such as 57344 x 8192), and not while torch.compile traces, not while a CUDA
 graph is being captured (the caller's graph then holds the plain launches), not when autograd would
 need to see the call. A shape (M, dtype, stream) is captured the second time it is seen (the first
-call runs plainly and compiles the kernels), at most MAX_GRAPHS shapes per layer (later ones run
-plainly: no eviction, so varying batch sizes never thrash captures). A capture costs about a
+call runs plainly and compiles the kernels), at most MAX_GRAPHS shapes per layer and stream (later ones
+run plainly: no eviction, so varying batch sizes never thrash captures). The cap counts per stream
+because a caller's warm-up on a side stream (the usual prelude to capturing a whole model) captures
+there too: with one cap per layer, the warm-ups of two batch sizes used up every slot and the default
+stream's decode calls at a third batch size launched plainly, 0.4-0.5x bf16 in an eager 4-layer
+forward at B = 64 (BENCHMARKS.md, "Whole model"). Streams come from torch's fixed per-device pools,
+so the per-stream count stays bounded. A capture costs about a
 millisecond once. The graphs bake in the addresses of the layer's weight, scale, bias and split-K
 counters: an in-place reload (`load_`, `reload_weights`) keeps them and the graphs stay valid; a
 changed address drops the graph.
@@ -38,7 +43,7 @@ from collections.abc import Callable
 import torch
 
 MAX_M = 256       # rows per call up to which calls are graphed (the triton backend's small-M range)
-MAX_GRAPHS = 4    # shapes captured per layer
+MAX_GRAPHS = 4    # shapes captured per layer and stream
 
 # A call is worth graphing while its GPU time is below the host time of an eager call (60-175 µs
 # measured on the H200's host): estimated as the larger of reading the FP8 weight at WEIGHT_BYTES_PER_S
@@ -125,6 +130,7 @@ class DecodeGraphs:
     def __init__(self) -> None:
         self.entries: dict[tuple, _Entry] = {}
         self.seen: set[tuple] = set()
+        self.per_stream: dict[int, int] = {}   # captured shapes by stream (the cap is per stream)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -147,12 +153,14 @@ class DecodeGraphs:
                 if entry.ptrs == ptrs:
                     return _replay(entry, x2)
                 del self.entries[key]           # the layer's tensors moved: this graph reads stale memory
+                self.per_stream[key[2]] -= 1
                 capture = True
             else:                               # capture at the second sighting, while below the cap
-                capture = key in self.seen and len(self.entries) < MAX_GRAPHS
+                capture = key in self.seen and self.per_stream.get(key[2], 0) < MAX_GRAPHS
                 self.seen.add(key)
             if capture:
                 entry = self.entries[key] = _capture(x2, call, n, stream, ptrs)
+                self.per_stream[key[2]] = self.per_stream.get(key[2], 0) + 1
                 return _replay(entry, x2)
         return call(x2)
 
