@@ -20,7 +20,7 @@ its output against bf16 on fresh random inputs is reported (rel = |y - y_bf16| /
 CUDA: `PYTHONPATH=src python benchmarks/bench_model.py --out DIR [--layers 4] [--torchao] [--compile]`
 CPU smoke run (tiny dims, eager only): `... --device cpu --preset tiny`.
 Writes DIR/model_bench.json (rows: preset, layers, batch, seq, tokens, impl, mode, ms, rel; graph rows
-also rel_to_eager, and with `--profile` the GPU µs per kernel family; `--host-profile` adds rows of
+also rel_to_eager (compiled rows: enqueue_ms, the host time per call), and with `--profile` the GPU µs per kernel family (graph and compiled rows); `--host-profile` adds rows of
 mode "host-profile" (each decode case) with call counts and the costliest Python functions of an
 eager forward) and prints
 a table of speed-ups over bf16 (same mode, same run) last.
@@ -91,6 +91,18 @@ def bench_ms(fn, device: str, rep_ms: int) -> float:
         return 1e3 * sorted(times)[1]
     import triton.testing
     return float(triton.testing.do_bench(fn, warmup=5, rep=rep_ms, return_mode="median"))
+
+
+def enqueue_ms(fn, calls: int = 20) -> float:
+    """Host ms per call of fn without waiting for the GPU: when it is close to the timed ms, the row
+    measures the host (the compiled forward's guards and graph replay), not the GPU."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return 1e3 * t / calls
 
 
 def capture(fn):
@@ -224,7 +236,10 @@ def run(args) -> list[dict]:
                     bf16 = eager_out.get(("bf16", batch, seq))
                     rows.append(row_of(batch, seq, name, mode="compiled", ms=bench_ms(call, dev, args.rep_ms),
                                      rel=None if name == "bf16" or bf16 is None else rel(y, bf16),
-                                     rel_to_eager=None if eager is None else rel(y, eager)))
+                                     rel_to_eager=None if eager is None else rel(y, eager),
+                                     enqueue_ms=enqueue_ms(call)))
+                    if args.profile and (batch, seq) in (cases[0], cases[-1]):
+                        rows[-1]["kernels"] = kernel_times(call)
                 except Exception as e:
                     notes.append(f"{name} compiled B={batch} T={seq}: {type(e).__name__}: {str(e)[:300]}")
             write(args.out, rows, notes)
