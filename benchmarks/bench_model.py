@@ -19,11 +19,11 @@ its output against bf16 on fresh random inputs is reported (rel = |y - y_bf16| /
 
 CUDA: `PYTHONPATH=src python benchmarks/bench_model.py --out DIR [--layers 4] [--torchao] [--compile]`
 CPU smoke run (tiny dims, eager only): `... --device cpu --preset tiny`.
-Writes DIR/model_bench.json (rows: preset, layers, batch, seq, tokens, impl, mode, ms, rel; graph rows
-also rel_to_eager (compiled rows: enqueue_ms, the host time per call), and with `--profile` the GPU µs per kernel family (graph and compiled rows); `--host-profile` adds rows of
+Writes DIR/model_bench.json (rows: preset, layers, batch, seq, tokens, impl, mode, ms, rel; graph and
+compiled rows also rel_to_eager, compiled rows enqueue_ms (the host time per call), and with
+`--profile` the GPU µs per kernel family of graph and compiled rows; `--host-profile` adds rows of
 mode "host-profile" (each decode case) with call counts and the costliest Python functions of an
-eager forward) and prints
-a table of speed-ups over bf16 (same mode, same run) last.
+eager forward) and prints a table of speed-ups over bf16 (same mode, same run) last.
 """
 
 from __future__ import annotations
