@@ -20,10 +20,11 @@ its output against bf16 on fresh random inputs is reported (rel = |y - y_bf16| /
 CUDA: `PYTHONPATH=src python benchmarks/bench_model.py --out DIR [--layers 4] [--torchao] [--compile]`
 CPU smoke run (tiny dims, eager only): `... --device cpu --preset tiny`.
 Writes DIR/model_bench.json (rows: preset, layers, batch, seq, tokens, impl, mode, ms, rel; graph and
-compiled rows also rel_to_eager, compiled rows enqueue_ms (the host time per call), and with
-`--profile` the GPU µs per kernel family of graph and compiled rows; `--host-profile` adds rows of
-mode "host-profile" (each decode case) with call counts and the costliest Python functions of an
-eager forward) and prints a table of speed-ups over bf16 (same mode, same run) last.
+compiled rows also rel_to_eager; compiled rows enqueue_ms (the host time per call) and cudagraph_skips
+(how often inductor ran a graph without CUDA graphs while compiling the case; the reasons go to
+stderr); with `--profile` the GPU µs per kernel family of graph and compiled rows; `--host-profile`
+adds rows of mode "host-profile" (each decode case) with call counts and the costliest Python
+functions of an eager forward) and prints a table of speed-ups over bf16 (same mode, same run) last.
 """
 
 from __future__ import annotations
@@ -222,6 +223,8 @@ def run(args) -> list[dict]:
             rows.extend(row_of(*case, name, **fields) for name, fields in host_profile(models, case, hidden, args))
         write(args.out, rows, notes)
     if args.compile and dev != "cpu":
+        from torch._dynamo.utils import counters
+        torch._logging.set_logs(cudagraphs=True)      # inductor says why it skips CUDA graphs (stderr)
         torch._dynamo.config.recompile_limit = 1024   # no model may fall back to eager
         torch._dynamo.config.accumulated_recompile_limit = 4096
         for name, model in models.items():
@@ -230,14 +233,16 @@ def run(args) -> list[dict]:
             for batch, seq in cases:
                 call = forward_of(compiled, case_input(batch, seq, hidden, dev))
                 try:
+                    skips = counters["inductor"]["cudagraph_skips"]
                     for _ in range(3):  # reduce-overhead records its graph after warm-up calls
                         y = call().clone()
+                    skips = counters["inductor"]["cudagraph_skips"] - skips
                     eager = eager_out.get((name, batch, seq))
                     bf16 = eager_out.get(("bf16", batch, seq))
                     rows.append(row_of(batch, seq, name, mode="compiled", ms=bench_ms(call, dev, args.rep_ms),
                                      rel=None if name == "bf16" or bf16 is None else rel(y, bf16),
                                      rel_to_eager=None if eager is None else rel(y, eager),
-                                     enqueue_ms=enqueue_ms(call)))
+                                     enqueue_ms=enqueue_ms(call), cudagraph_skips=skips))
                     if args.profile and (batch, seq) in (cases[0], cases[-1]):
                         rows[-1]["kernels"] = kernel_times(call)
                 except Exception as e:
