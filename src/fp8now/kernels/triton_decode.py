@@ -22,14 +22,12 @@ once); without one, a zeroed tensor is allocated per call.
 No host synchronization anywhere: the wrapper captures in CUDA graphs.
 """
 
-import functools
-
 import torch
 
 from ..numerics import E4M3FN, GROUP_AMAX_FLOOR
 from . import triton_gemm as tg
 from .triton_quant import _abs_bits, _as_f32, _to_fp8
-from .triton_support import sm90
+from .triton_support import memo, sm90
 
 try:
     import triton
@@ -167,7 +165,7 @@ def _plan(cfg: dict, m: int, n: int, k: int, device: torch.device) -> tuple[int,
     return k_split, splits, tg._cdiv(m, cfg["BLOCK_M"]) * tg._cdiv(n, cfg["BLOCK_N"])
 
 
-@functools.lru_cache(maxsize=1024)
+@memo(maxsize=1024)
 def _default_plan(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int]:
     return _plan(_CHECKED_CONFIG, m, n, k, device)
 

@@ -15,13 +15,11 @@ a GEMM uses one fixed configuration whatever M and never splits K, so row m of t
 only on row m of the input.
 """
 
-import functools
-
 import torch
 
 from ..numerics import E4M3FN
 
-from .triton_support import device_reason
+from .triton_support import device_reason, memo
 
 try:
     import triton
@@ -202,7 +200,7 @@ def _grouped_pid(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 SPLIT_MIN_K = 512   # every split covers at least this much of K
 
 
-@functools.lru_cache(maxsize=8)
+@memo(maxsize=8)
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: small but > 1, so tests exercise the split path

@@ -1,4 +1,5 @@
-"""Where the Triton kernels can run: one device check shared by the quantizer and GEMM modules."""
+"""Where the Triton kernels can run: one device check shared by the quantizer and GEMM modules, and the
+host-side memo their launch helpers use."""
 
 from __future__ import annotations
 
@@ -34,7 +35,28 @@ def device_reason(device: torch.device | str | None, interpreted: bool, import_e
     return None
 
 
-@functools.lru_cache(maxsize=8)
+def memo(maxsize: int):
+    """`functools.lru_cache` for eager calls that torch.compile traces through as the plain function.
+
+    Dynamo warns on every `lru_cache`-wrapped function it meets ("silent incorrectness is a potential
+    risk") and then traces the wrapped function anyway; under compile the result is baked into the
+    graph at trace time, so the cache buys nothing there. The launch helpers memoized with this
+    (device facts, the decode kernel's plan) are pure functions of their arguments, so tracing the
+    function itself gives the same result without the warning."""
+    def wrap(fn):
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+
+        @functools.wraps(fn)
+        def call(*args):
+            if torch.compiler.is_compiling():
+                return fn(*args)
+            return cached(*args)
+        call.cache_info = cached.cache_info
+        return call
+    return wrap
+
+
+@memo(maxsize=8)
 def sm90(device: torch.device) -> bool:
     """Hopper features (programmatic dependent launch) usable on `device`: a CUDA GPU of capability
     >= 9.0 (the interpreter runs on CPU tensors, so never there)."""
