@@ -130,7 +130,6 @@ class DecodeGraphs:
     def __init__(self) -> None:
         self.entries: dict[tuple, _Entry] = {}
         self.seen: set[tuple] = set()
-        self.per_stream: dict[int, int] = {}   # captured shapes by stream (the cap is per stream)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -153,14 +152,12 @@ class DecodeGraphs:
                 if entry.ptrs == ptrs:
                     return _replay(entry, x2)
                 del self.entries[key]           # the layer's tensors moved: this graph reads stale memory
-                self.per_stream[key[2]] -= 1
                 capture = True
             else:                               # capture at the second sighting, while below the cap
-                capture = key in self.seen and self.per_stream.get(key[2], 0) < MAX_GRAPHS
+                capture = key in self.seen and sum(k[2] == key[2] for k in self.entries) < MAX_GRAPHS
                 self.seen.add(key)
             if capture:
                 entry = self.entries[key] = _capture(x2, call, n, stream, ptrs)
-                self.per_stream[key[2]] = self.per_stream.get(key[2], 0) + 1
                 return _replay(entry, x2)
         return call(x2)
 
