@@ -29,6 +29,9 @@ The thresholds come from CUDA-graph timings (GPU time, no host overhead) of both
 and 64 over the seven benchmark shapes (benchmarks/tune_decode.py): the Triton rowwise GEMM beat cuBLAS
 on 20 of 21 rows; the Triton block GEMM won at M <= 32 but not reliably at 64.
 - batch_invariant: Triton quantizer + Triton GEMM with one fixed configuration for every M.
+- Under torch.compile the activation quantizers are `compiled_quant`'s torch ops instead of the Triton
+  quantizers (same bytes): inductor fuses them into the kernel that produces the activation and
+  quantizes an input shared by several layers once. The GEMMs are the same as eagerly.
 All of it is launches only: no host synchronization, so it captures in CUDA graphs.
 """
 
@@ -37,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from ..config import Scheme
-from . import torch_mm, triton_decode, triton_gemm, triton_quant
+from . import compiled_quant, torch_mm, triton_decode, triton_gemm, triton_quant
 
 TRITON_MAX_M = {"rowwise": 64, "block": 32}   # at or below: the Triton GEMMs (split-K for decode)
 FUSED_BLOCK_MAX_N = 8192  # block, M = 1: quantize inside the decode kernel up to this many outputs
@@ -63,6 +66,20 @@ def available(device: torch.device, scheme: Scheme, act_kind: str, n: int, k: in
     return None
 
 
+def _token(x: torch.Tensor, early_launch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token FP8 rows and [M, 1] scales: torch ops for inductor under compile, else the Triton kernel."""
+    if torch.compiler.is_compiling():
+        return compiled_quant.quantize_act_token(x)
+    return triton_quant.quantize_act_token(x, early_launch=early_launch)
+
+
+def _group(x: torch.Tensor, col_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128-group FP8 and [M, K/128] scales, the same way."""
+    if torch.compiler.is_compiling():
+        return compiled_quant.quantize_act_group(x, col_major=col_major)
+    return triton_quant.quantize_act_group(x, col_major=col_major)
+
+
 def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
            scheme: Scheme, act_kind: str, batch_invariant: bool = False,
            counters: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,28 +87,28 @@ def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torc
     m = x.shape[0]
     if m <= triton_decode.MAX_M and not batch_invariant:
         if scheme is Scheme.TENSOR and m == 1 and TENSORWISE_M1:
-            x_q, x_s = triton_quant.quantize_act_token(x)
+            x_q, x_s = _token(x)
             return torch_mm.rowwise_mm(x_q, x_s.reshape(()), w_q, w_scale.reshape(()), bias, x.dtype)
         if scheme is not Scheme.BLOCK:
             pdl = m <= PDL_MAX_M
-            x_q, x_s = triton_quant.quantize_act_token(x, early_launch=pdl)
+            x_q, x_s = _token(x, early_launch=pdl)
             return triton_decode.decode_linear(x_q, w_q, w_scale, scheme.value, "token", bias,
                                                x_scale=x_s, counters=counters, out_dtype=x.dtype, pdl=pdl)
         if m == 1 and w_q.shape[0] <= FUSED_BLOCK_MAX_N:
             return triton_decode.decode_linear(x, w_q, w_scale, "block", "group", bias, counters=counters)
     if scheme is Scheme.BLOCK:
         if batch_invariant:
-            x_q, x_s = triton_quant.quantize_act_group(x)
+            x_q, x_s = _group(x)
             return triton_gemm.block_gemm(x_q, x_s, w_q, w_scale, bias, x.dtype, batch_invariant=True)
         if m > TRITON_MAX_M["block"] and BLOCK_GEMM == "torch" and torch_mm.blockwise_unfit(x.shape[1]) is None:
-            x_q, x_s = triton_quant.quantize_act_group(x, col_major=True)
+            x_q, x_s = _group(x, col_major=True)
             return torch_mm.blockwise_mm(x_q, x_s, w_q, w_scale, bias, x.dtype)
-        x_q, x_s = triton_quant.quantize_act_group(x)
+        x_q, x_s = _group(x)
         return triton_gemm.block_gemm(x_q, x_s, w_q, w_scale, bias, x.dtype)
     if batch_invariant:
-        x_q, x_s = triton_quant.quantize_act_token(x)
+        x_q, x_s = _token(x)
         return triton_gemm.rowwise_gemm(x_q, x_s, w_q, w_scale, bias, x.dtype, batch_invariant=True)
-    x_q, x_s = triton_quant.quantize_act_token(x)
+    x_q, x_s = _token(x)
     if m <= TRITON_MAX_M["rowwise"]:
         return triton_gemm.rowwise_gemm(x_q, x_s, w_q, w_scale, bias, x.dtype)
     return torch_mm.rowwise_mm(x_q, x_s, w_q, w_scale, bias, x.dtype)
