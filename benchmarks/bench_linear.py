@@ -68,24 +68,33 @@ def graph_ms(make_call, copies: int, warmup_ms: int, rep_ms: int) -> float:
     return bench(graph.replay, warmup_ms, rep_ms) / copies
 
 
-def torchao_layers(lin: torch.nn.Linear) -> dict[str, torch.nn.Module]:
-    """The peer: torchao float8 dynamic activation + weight, per tensor / per row / 1x128-128x128."""
+def torchao_layers(lin: torch.nn.Linear, accum: str = "fast") -> dict[str, torch.nn.Module]:
+    """The peer: torchao float8 dynamic activation + weight, per tensor / per row / 1x128-128x128.
+
+    `accum`: "fast" is torchao's default on sm_90, cuBLAS fast accumulation (partial sums not promoted
+    to float32 along K); "f32" accumulates in float32 as fp8now does (names get "-f32acc"); "both"."""
     import copy
 
+    from torchao.float8.inference import Float8MMConfig
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, quantize_
     from torchao.quantization.granularity import PerBlock, PerRow, PerTensor
     grans = {"torchao-tensor": PerTensor(), "torchao-row": PerRow(),
              "torchao-block": [PerBlock([1, 128]), PerBlock([128, 128])]}
+    modes = {"fast": (("", True),), "f32": (("-f32acc", False),),
+             "both": (("", True), ("-f32acc", False))}[accum]
     out = {}
-    for name, gran in grans.items():
-        m = torch.nn.Sequential(copy.deepcopy(lin))
-        quantize_(m, Float8DynamicActivationFloat8WeightConfig(granularity=gran))
-        out[name] = m
+    for suffix, fast in modes:
+        for name, gran in grans.items():
+            m = torch.nn.Sequential(copy.deepcopy(lin))
+            quantize_(m, Float8DynamicActivationFloat8WeightConfig(
+                granularity=gran, mm_config=Float8MMConfig(use_fast_accum=fast)))
+            out[name + suffix] = m
     return out
 
 
 def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=5, rep_ms=25,
-        with_torchao=True, with_compiled=True, with_graphs=True, with_kernels=False) -> list[dict]:
+        with_torchao=True, with_compiled=True, with_graphs=True, with_kernels=False,
+        torchao_accum="fast") -> list[dict]:
     from fp8now import Fp8Config, Fp8Linear, Scheme
     from fp8now.numerics import quantize_activation, quantize_weight
     dev = "cuda"
@@ -115,7 +124,7 @@ def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=5, rep_ms=25,
         peers: dict[str, torch.nn.Module] = {}
         if with_torchao:
             try:
-                peers = torchao_layers(lin)
+                peers = torchao_layers(lin, torchao_accum)
             except Exception as e:  # record why; the table then lacks these rows
                 notes.append(f"torchao unavailable for {n}x{k}: {type(e).__name__}: {e}")
         compiled = {}
@@ -179,6 +188,9 @@ def summary(rows: list[dict]) -> str:
     """Speed-up over bf16 per (shape, M) for the main impls."""
     impls = ["scaled_mm", "fp8now-tensor", "fp8now-channel", "fp8now-block", "torchao-row",
              "torchao-row-compiled", "torchao-block-compiled", "fp8now-channel-graph"]
+    seen = {r["impl"] for r in rows}
+    impls += [i + "-f32acc" + c for i in ("torchao-row", "torchao-block") for c in ("", "-compiled")
+              if i + "-f32acc" + c in seen]
     base = {(r["M"], r["N"], r["K"]): r["ms"] for r in rows if r["impl"] == "bf16"}
     graph_base = {(r["M"], r["N"], r["K"]): r["ms"] for r in rows if r["impl"] == "bf16-graph"}
     table = {}
@@ -199,6 +211,8 @@ if __name__ == "__main__":
     ap.add_argument("--out", default="linear_h200.json")
     ap.add_argument("--quick", action="store_true", help="two shapes, four M values")
     ap.add_argument("--no-torchao", action="store_true")
+    ap.add_argument("--torchao-accum", default="fast", choices=("fast", "f32", "both"),
+                    help="torchao's GEMM accumulation: its default fast, float32, or both sets of peers")
     ap.add_argument("--shapes", default="", help="subset, e.g. 4096x4096,28672x4096 (N x K)")
     ap.add_argument("--rep-ms", type=int, default=25, help="do_bench time per measurement")
     ap.add_argument("--m-values", default="", help="subset of M, e.g. 1024,4096,16384")
@@ -214,5 +228,6 @@ if __name__ == "__main__":
         kw["shapes"] = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")]
     if args.m_values:
         kw["m_values"] = [int(v) for v in args.m_values.split(",")]
-    result = run(args.out, with_torchao=not args.no_torchao, rep_ms=args.rep_ms, with_kernels=args.kernels, **kw)
+    result = run(args.out, with_torchao=not args.no_torchao, rep_ms=args.rep_ms, with_kernels=args.kernels,
+                 torchao_accum=args.torchao_accum, **kw)
     print(summary(result))

@@ -144,12 +144,21 @@ def kernel_times(fn) -> dict:
                 top=[dict(name=n, us=round(t, 1)) for t, n in top[:8]])
 
 
-def torchao_model(model: torch.nn.Module) -> torch.nn.Module:
+def torchao_model(model: torch.nn.Module, fast_accum: bool) -> torch.nn.Module:
+    """torchao's float8 per-row copy. Its default on sm_90 is cuBLAS fast accumulation (the FP8 tensor
+    cores' partial sums are not promoted to float32 along K); `fast_accum=False` accumulates in
+    float32, as SPEC §4 asks of fp8now."""
+    from torchao.float8.inference import Float8MMConfig
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, quantize_
     from torchao.quantization.granularity import PerRow
     peer = copy.deepcopy(model)
-    quantize_(peer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    quantize_(peer, Float8DynamicActivationFloat8WeightConfig(
+        granularity=PerRow(), mm_config=Float8MMConfig(use_fast_accum=fast_accum)))
     return peer
+
+
+TORCHAO_ACCUM = {"fast": (("torchao-row", True),), "f32": (("torchao-row-f32acc", False),),
+                 "both": (("torchao-row", True), ("torchao-row-f32acc", False))}
 
 
 def case_input(batch: int, seq: int, hidden: int, device: str) -> torch.Tensor:
@@ -178,7 +187,8 @@ def run(args) -> list[dict]:
         models[f"fp8now-{scheme}"] = m
     if args.torchao:
         try:
-            models["torchao-row"] = torchao_model(base)
+            for name, fast in TORCHAO_ACCUM[args.torchao_accum]:
+                models[name] = torchao_model(base, fast)
         except Exception as e:  # say why the peer is missing rather than dropping it silently
             notes.append(f"torchao: {type(e).__name__}: {str(e)[:300]}")
     models = {"bf16": base, **models}
@@ -201,6 +211,8 @@ def run(args) -> list[dict]:
                 y = call().clone()
                 outs[name] = eager_out[(name, batch, seq)] = y
                 row_rel = None if name == "bf16" else rel(y, outs["bf16"])
+                if args.compiled_only:
+                    continue
                 rows.append(dict(row, mode="eager", ms=bench_ms(call, dev, args.rep_ms), rel=row_rel))
                 if dev != "cpu":
                     graph, y_graph = capture(call)
@@ -343,7 +355,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--rep-ms", type=int, default=50)
     ap.add_argument("--torchao", action="store_true")
+    ap.add_argument("--torchao-accum", default="fast", choices=sorted(TORCHAO_ACCUM),
+                    help="torchao's GEMM accumulation: its default fast, float32 (f32), or both models")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compiled-only", action="store_true",
+                    help="time compiled rows only (the eager call still runs once, for the checks)")
     ap.add_argument("--compile-mode", default="reduce-overhead",
                     help="torch.compile mode of the compiled rows (reduce-overhead: inductor's CUDA graphs)")
     ap.add_argument("--host-profile", action="store_true",
