@@ -204,6 +204,32 @@ def test_compile_sees_which_inputs_each_kernel_writes(scheme, m):
     assert "lru_cache" not in run.stderr, run.stderr[-2000:]
 
 
+@pytest.mark.parametrize("scheme", [Scheme.CHANNEL, Scheme.BLOCK])
+@pytest.mark.parametrize("m", [4, 512])
+def test_compiled_quantization_fuses_into_the_producing_norm(scheme, m):
+    """Under torch.compile the activation quantizer is inductor code (kernels/compiled_quant): no
+    fp8now quantizer kernel is launched, and the FP8 cast happens in the same inductor kernel as the
+    RMSNorm that produces the activation. The output stays that of the eager call to within the
+    norm's own compiled-vs-eager rounding (a few FP8 flips, not a different computation)."""
+    from torch._inductor.utils import run_and_get_code
+    lin, layer = layer_for(1024, 2048, scheme, "auto")
+    w = (1 + 0.1 * torch.randn(2048, device="cuda")).to(torch.bfloat16)
+
+    def f(x):   # transformers' Llama RMSNorm, then the layer
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return layer(w * h.to(torch.bfloat16))
+
+    x = varied((m, 2048), torch.bfloat16, seed=m).cuda()
+    torch._dynamo.reset()
+    y, codes = run_and_get_code(torch.compile(f, fullgraph=True), x)
+    code = "\n".join(codes)
+    assert "_row_quant_kernel" not in code and "_group_quant_kernel" not in code
+    kernels = code.split("async_compile.triton(")[1:]   # one chunk per inductor kernel's source
+    assert any("rsqrt" in src and "float8e4nv" in src for src in kernels), code[-3000:]
+    assert rel_diff(y, f(x)) < 1e-3
+
+
 @pytest.mark.parametrize("scheme", list(Scheme))
 def test_compile_fullgraph_and_cuda_graph(scheme):
     lin, layer = layer_for(1024, 2048, scheme, "auto")
