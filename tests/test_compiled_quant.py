@@ -76,6 +76,33 @@ def test_near_midpoint_data_matches_reference_and_defeats_float32_reciprocal():
     assert (bits(naive_f32_token(x)) != bits(q_ref)).sum() > 0  # the data can tell the two apart
 
 
+def test_exact_div32_is_the_ieee_float32_quotient():
+    """On random float32 pairs over a wide exponent range, and on quotients built to sit next to
+    float32 rounding midpoints, where the float32 reciprocal product (the control) is wrong."""
+    g = torch.Generator().manual_seed(11)
+    n = 1 << 20
+    a = torch.randn(n, generator=g) * 2.0 ** torch.randint(-60, 61, (n,), generator=g).float()
+    b = torch.randn(n, generator=g) * 2.0 ** torch.randint(-60, 61, (n,), generator=g).float()
+    # c = b * (a float32 rounding midpoint in [1, 2)), rounded and nudged by an ulp: c / b lies
+    # within about an ulp of that midpoint (the control's float32 product misses on ~27% of them)
+    mid = (torch.randint(1 << 23, 1 << 24, (n,), generator=g).double() * 2 + 1) * 2.0 ** -24  # in [1, 2)
+    c = torch.nextafter((b.double() * mid).float(), torch.tensor(float("inf")))
+    for x in (a, c):
+        want = x / b                     # CPU float32 division is IEEE
+        assert torch.equal(numerics.exact_div32(x, b).view(torch.int32), want.view(torch.int32))
+    assert not torch.equal((c * (1.0 / b)).view(torch.int32), (c / b).view(torch.int32))
+
+
+@pytest.mark.parametrize("kind", ["token", "tensor", "group"])
+def test_numerics_under_compile_keeps_its_bytes(kind):
+    """`numerics.quantize_activation` (the torch and reference backends' quantizer) under torch.compile:
+    its true divisions switch to `exact_div32` there (CPU here; the CUDA run is the GPU test below)."""
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: numerics.quantize_activation(x, kind), fullgraph=True)
+    for x in (near_midpoints(32, 512, seed=8), varied((16, 384), torch.bfloat16, seed=9)):
+        check(fn, kind, x)
+
+
 def test_zero_rows_take_the_floor():
     x = varied((4, 256), torch.bfloat16, seed=1)
     x[1] = 0
@@ -119,3 +146,12 @@ def test_compiled_on_cuda_matches_reference_where_plain_division_does_not():
     x = near_midpoints(256, 1024, seed=7)
     got = torch.compile(naive, fullgraph=True)(x.cuda()).cpu()
     assert (bits(got) != bits(numerics.quantize_activation(x, "token")[0])).sum() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["token", "tensor", "group"])
+def test_numerics_compiled_on_cuda_keeps_its_bytes(kind):
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: numerics.quantize_activation(x, kind), fullgraph=True)
+    for x in (near_midpoints(256, 1024, seed=12), varied((64, 1024), torch.bfloat16, seed=13)):
+        check(fn, kind, x.cuda())

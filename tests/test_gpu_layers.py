@@ -231,6 +231,17 @@ def test_compiled_quantization_fuses_into_the_producing_norm(scheme, m):
 
 
 @pytest.mark.parametrize("scheme", list(Scheme))
+def test_torch_backend_compiles_to_its_eager_bytes(scheme):
+    """The `torch` backend quantizes with `numerics`, whose true divisions become `exact_div32` under
+    compile (inductor's float32 `/` is approximate in Triton): compiled output == eager output."""
+    lin, layer = layer_for(1024, 2048, scheme, "torch")
+    for m in (4, 512):
+        torch._dynamo.reset()
+        x = varied((m, 2048), torch.bfloat16, seed=m + 7).cuda()
+        assert torch.equal(torch.compile(layer, fullgraph=True)(x), layer(x))
+
+
+@pytest.mark.parametrize("scheme", list(Scheme))
 def test_compile_fullgraph_and_cuda_graph(scheme):
     lin, layer = layer_for(1024, 2048, scheme, "auto")
     for m in (1, 4, 512):  # block at M=1: the decode kernel quantizing in-kernel; M=4: quantizer first

@@ -55,9 +55,27 @@ WEIGHT_RULE = {Scheme.TENSOR: "tensor", Scheme.CHANNEL: "row", Scheme.BLOCK: "bl
 ACT_RULE = {"token": "row", "tensor": "tensor", "group": "group"}
 
 
+def exact_div32(a: torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
+    """The IEEE float32 quotient `a / b` of float32 values, computed as
+    `float32(float64(a) * (1 / float64(b)))`, for code that torch.compile lowers (inductor turns a
+    float32 `/` into Triton's approximate division on CUDA, unless told otherwise).
+
+    Why it is exact: the float64 product is within 2^-52 (relative) of the true quotient, while the
+    true quotient of two float32 numbers is never within 2^-48 of a float32 rounding midpoint (a
+    midpoint has 25 significant bits, and `a = b * midpoint` would need more than a's 24), so rounding
+    the product to float32 gives the correctly rounded quotient. Whether the compiler keeps a division
+    by a constant or multiplies by its float64 reciprocal, the argument holds.
+    """
+    inv = 1.0 / (b.double() if isinstance(b, torch.Tensor) else float(b))
+    return (a.double() * inv).float()
+
+
 def _true_div(a: torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
     """IEEE float32 division. On CUDA, torch turns `tensor / python_float` into a multiply by the
-    rounded reciprocal, so the divisor is made a tensor to get the same bits on every device."""
+    rounded reciprocal, so the divisor is made a tensor to get the same bits on every device. Under
+    torch.compile, `exact_div32` (same bits; inductor's float32 `/` is approximate on CUDA)."""
+    if torch.compiler.is_compiling():
+        return exact_div32(a, b)
     if not isinstance(b, torch.Tensor):
         b = torch.full_like(a, b)
     return a / b
