@@ -35,7 +35,7 @@ if has profile; then
 fi
 if has tests; then
   timeout 420 python3 -m pytest -q -x -p no:cacheprovider -m "gpu or triton" ${GPU_TESTS:-tests/test_gpu_layers.py \
-    tests/test_triton_quant.py tests/test_triton_gemm.py tests/test_triton_decode.py tests/test_gpu_decode_graphs.py} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40 || rc=1
+    tests/test_triton_quant.py tests/test_triton_gemm.py tests/test_triton_decode.py tests/test_gpu_decode_graphs.py tests/test_compiled_quant.py} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40 || rc=1
 fi
 if has memory; then
   timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu -s tests/test_gpu_memory.py 2>&1 \
