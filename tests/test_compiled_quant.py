@@ -14,6 +14,7 @@ from fp8now import numerics
 from fp8now.kernels import compiled_quant as cq
 
 FMAX = numerics.E4M3FN.fmax
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run with -m gpu there)")
 
 
 def near_midpoints(m: int, k: int, seed: int) -> torch.Tensor:
@@ -131,6 +132,7 @@ def test_compiled_on_cpu_matches_reference():
 
 
 @pytest.mark.gpu
+@cuda_only
 def test_compiled_on_cuda_matches_reference_where_plain_division_does_not():
     """Inductor lowers a float32 `/` to Triton's approximate division: the control (the spec's
     formula written naively in float32 torch ops) loses bytes on the near-midpoint data; the float64
@@ -149,6 +151,7 @@ def test_compiled_on_cuda_matches_reference_where_plain_division_does_not():
 
 
 @pytest.mark.gpu
+@cuda_only
 @pytest.mark.parametrize("kind", ["token", "tensor", "group"])
 def test_numerics_compiled_on_cuda_keeps_its_bytes(kind):
     torch._dynamo.reset()
