@@ -21,6 +21,10 @@ Sections (argv: a comma list, default all):
 - `m1cublas`: M = 1 tensor / channel through cuBLAS tensorwise / rowwise vs the decode-kernel path.
 - `decode`: programmatic dependent launch (PDL) of the decode kernel after the quantizer, GPU time in
   CUDA graphs; PDL results checked bit-identical to the plain launch, eager and replayed.
+- `compiledquant`: under torch.compile, a layer behind its producer (Llama RMSNorm, or SiLU(gate) x up),
+  with the activation quantizer fused by inductor (`triton_fp8.COMPILED_QUANT`, the default) against
+  the Triton quantizer after a materialized bf16 activation; GPU time of the compiled call in a CUDA
+  graph, bf16 compiled as the baseline. Env CQ_M (default 16,8192) sets M.
 
 `PYTHONPATH=src:benchmarks python benchmarks/probe_kernels.py [sections]`
 """
@@ -550,6 +554,49 @@ def section_cublas_data():
                   f"rel_diff {r['rd']:.1e} norm {r['err']:.1e}")
 
 
+# ------------------------------------------------------------------------------------------------
+def section_compiledquant():
+    from fp8now import Fp8Config, Fp8Linear
+    from fp8now.kernels import triton_fp8
+    ms = [int(v) for v in os.environ.get("CQ_M", "16,8192").split(",")]  # ~8 s of compile per row
+    cases = [("norm", 6144, 4096), ("norm", 8192, 8192), ("silu", 4096, 14336), ("silu", 8192, 28672)]
+    for producer, n, k in cases:
+        lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+        lin.weight.copy_(varied(n, k, seed=n + k, device="cuda") * 0.02)
+        layers = {"bf16": lin, **{f"fp8now-{s}": Fp8Linear.from_linear(lin, Fp8Config(scheme=s))
+                                  for s in ("channel", "block")}}
+        w = (1 + 0.1 * torch.randn(k, device="cuda")).to(torch.bfloat16)
+        for m in ms:
+            if producer == "norm":
+                args = (varied(m, k, seed=m, device="cuda"),)
+            else:
+                args = (varied(m, k, seed=m, device="cuda"), varied(m, k, seed=m + 1, device="cuda"))
+            for name, layer in layers.items():
+                def f(*a, layer=layer):
+                    if producer == "norm":
+                        h = a[0].float()
+                        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+                        return layer(w * h.to(torch.bfloat16))
+                    return layer(torch.nn.functional.silu(a[0]) * a[1])
+                for fused in ((True, False) if name != "bf16" else (True,)):
+                    triton_fp8.COMPILED_QUANT = fused
+                    torch._dynamo.reset()
+                    try:
+                        comp = torch.compile(f, fullgraph=True)
+                        y = comp(*args)
+                        ref = f(*args)   # eager: Triton quantizer after the eager producer
+                        gms = graph_ms(lambda i, comp=comp: (lambda: comp(*args)), 1, 5, 25)
+                        impl = name if name == "bf16" else f"{name}-{'fused' if fused else 'triton-quant'}"
+                        add(sec="compiledquant", producer=producer, M=m, N=n, K=k, impl=impl, graph=gms,
+                            rel_to_eager=rel(y, ref))
+                    except Exception as e:
+                        add(sec="compiledquant", producer=producer, M=m, N=n, K=k, impl=name,
+                            fused=fused, fail=f"{type(e).__name__}: {e}"[:300])
+        triton_fp8.COMPILED_QUANT = True
+        del layers, lin
+        torch.cuda.empty_cache()
+
+
 def bf16_times(sec: str, field: str = "ms") -> dict:
     """(M, N, K) -> the bf16 row's `field` in section `sec` (the baseline of that section's table)."""
     return {(r["M"], r["N"], r["K"]): r[field] for r in ROWS if r.get("sec") == sec and r["impl"] == "bf16"}
@@ -629,6 +676,17 @@ def table():
                 continue
             print(f"{r['N']:>6} {r['K']:>6} {r['impl']:16} eager {1e3 * r['ms']:7.1f} {b['ms'] / r['ms']:5.2f}x "
                   f"graph {1e3 * r['graph']:7.1f} {b['graph'] / r['graph']:5.2f}x err {r['err']:.1e}")
+    print("\n== compiledquant (compiled, graph us; x = bf16 compiled / this)")
+    bfq = {(r["producer"], r["M"], r["N"], r["K"]): r["graph"] for r in ROWS
+           if r.get("sec") == "compiledquant" and r["impl"] == "bf16" and "graph" in r}
+    for r in ROWS:
+        if r.get("sec") == "compiledquant" and r["impl"] != "bf16":
+            key = (r["producer"], r["M"], r["N"], r["K"])
+            if "fail" in r or key not in bfq:
+                print(f"{key} {r['impl']} FAILED {r.get('fail', 'no bf16 row')[:100]}")
+                continue
+            print(f"{r['producer']:>5} {r['M']:>5} {r['N']:>6} {r['K']:>6} {r['impl']:26} {1e3 * r['graph']:8.1f} "
+                  f"{bfq[key] / r['graph']:5.2f}x rel_to_eager={r['rel_to_eager']:.1e}")
     print("\n== decode (graph us; x = bf16 / this)")
     bfd = bf16_times("decode", "graph")
     for r in ROWS:
