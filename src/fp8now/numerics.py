@@ -64,7 +64,10 @@ def exact_div32(a: torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
     true quotient of two float32 numbers is never within 2^-48 of a float32 rounding midpoint (a
     midpoint has 25 significant bits, and `a = b * midpoint` would need more than a's 24), so rounding
     the product to float32 gives the correctly rounded quotient. Whether the compiler keeps a division
-    by a constant or multiplies by its float64 reciprocal, the argument holds.
+    by a constant or multiplies by its float64 reciprocal, the argument holds. It needs a normal
+    float32 quotient (>= 2^-126): a subnormal one may be an exact tie that the float64 product misses
+    by an ulp. No such quotient reaches an FP8 byte (all round to ±0), and a scale that small would
+    need a per-tensor amax below 2^-117.
     """
     inv = 1.0 / (b.double() if isinstance(b, torch.Tensor) else float(b))
     return (a.double() * inv).float()

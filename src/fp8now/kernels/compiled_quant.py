@@ -4,8 +4,9 @@ Inductor cannot fuse a hand-written Triton kernel into its own, but it fuses the
 that produces the activation (RMSNorm, SiLU x up) and quantizes an input shared by several layers
 (q/k/v, gate/up) once. The bytes are those of `numerics.quantize_activation` ("token" and "group")
 on any backend: each true float32 division of SPEC §4 is `numerics.exact_div32`, a float64
-reciprocal product that is exact for float32 operands, since inductor lowers a float32 `/` to an
-approximate division in Triton. One float64 multiply per element, no float64 division.
+reciprocal product that is exact for float32 operands (normal quotients; see there), since inductor
+lowers a float32 `/` to an approximate division in Triton. One float64 multiply per element, no
+float64 division.
 """
 
 from __future__ import annotations
