@@ -94,7 +94,7 @@ def torchao_layers(lin: torch.nn.Linear, accum: str = "fast") -> dict[str, torch
 
 def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=5, rep_ms=25,
         with_torchao=True, with_compiled=True, with_graphs=True, with_kernels=False,
-        torchao_accum="fast") -> list[dict]:
+        torchao_accum="fast", with_fp8now_compiled=False) -> list[dict]:
     from fp8now import Fp8Config, Fp8Linear, Scheme
     from fp8now.numerics import quantize_activation, quantize_weight
     dev = "cuda"
@@ -131,6 +131,9 @@ def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=5, rep_ms=25,
         if with_compiled:
             for name, mod in peers.items():  # one compile per module: M is dynamic
                 compiled[name + "-compiled"] = torch.compile(mod, dynamic=True)
+        if with_fp8now_compiled:  # fp8now's own layers compiled the same way (quantizer in inductor)
+            for s in Scheme:
+                compiled[f"fp8now-{s.value}-compiled"] = torch.compile(layers[f"fp8now-{s.value}"], dynamic=True)
         w_q, w_s = quantize_weight(lin.weight, "channel")
         w_qt, w_st = quantize_weight(lin.weight, "tensor")
         graph_copies = 8 if with_graphs else 0
@@ -191,6 +194,7 @@ def summary(rows: list[dict]) -> str:
     seen = {r["impl"] for r in rows}
     impls += [i + "-f32acc" + c for i in ("torchao-row", "torchao-block") for c in ("", "-compiled")
               if i + "-f32acc" + c in seen]
+    impls += [i for i in ("fp8now-channel-compiled", "fp8now-block-compiled") if i in seen]
     base = {(r["M"], r["N"], r["K"]): r["ms"] for r in rows if r["impl"] == "bf16"}
     graph_base = {(r["M"], r["N"], r["K"]): r["ms"] for r in rows if r["impl"] == "bf16-graph"}
     table = {}
@@ -211,6 +215,8 @@ if __name__ == "__main__":
     ap.add_argument("--out", default="linear_h200.json")
     ap.add_argument("--quick", action="store_true", help="two shapes, four M values")
     ap.add_argument("--no-torchao", action="store_true")
+    ap.add_argument("--fp8now-compiled", action="store_true",
+                    help="also time fp8now's layers under torch.compile (rows fp8now-<scheme>-compiled)")
     ap.add_argument("--torchao-accum", default="fast", choices=("fast", "f32", "both"),
                     help="torchao's GEMM accumulation: its default fast, float32, or both sets of peers")
     ap.add_argument("--shapes", default="", help="subset, e.g. 4096x4096,28672x4096 (N x K)")
@@ -229,5 +235,5 @@ if __name__ == "__main__":
     if args.m_values:
         kw["m_values"] = [int(v) for v in args.m_values.split(",")]
     result = run(args.out, with_torchao=not args.no_torchao, rep_ms=args.rep_ms, with_kernels=args.kernels,
-                 torchao_accum=args.torchao_accum, **kw)
+                 torchao_accum=args.torchao_accum, with_fp8now_compiled=args.fp8now_compiled, **kw)
     print(summary(result))

@@ -55,7 +55,7 @@ if has linear; then
   # ~3 min of device time per shape with torchao compiled: pass at most 3 shapes per call, e.g.
   # LINEAR_SHAPES=4096x14336,8192x8192,8192x28672 (N x K); all seven when unset
   timeout 560 python3 benchmarks/bench_linear.py ${LINEAR_SHAPES:+--shapes $LINEAR_SHAPES} --rep-ms ${REP_MS:-25} \
-    ${LINEAR_M:+--m-values $LINEAR_M} ${LINEAR_NO_TORCHAO:+--no-torchao} ${TORCHAO_ACCUM:+--torchao-accum $TORCHAO_ACCUM} ${LINEAR_KERNELS:+--kernels} \
+    ${LINEAR_M:+--m-values $LINEAR_M} ${LINEAR_NO_TORCHAO:+--no-torchao} ${TORCHAO_ACCUM:+--torchao-accum $TORCHAO_ACCUM} ${FP8NOW_COMPILED:+--fp8now-compiled} ${LINEAR_KERNELS:+--kernels} \
     --out "$OUT/linear_h200.json" 2>&1 | tail -60
 fi
 if has model; then  # MODEL_ARGS: extra bench_model.py flags, e.g. "--torchao --compile --layers 2 --host-profile"
