@@ -61,10 +61,10 @@ def exact_div32(a: torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
     float32 `/` into Triton's approximate division on CUDA, unless told otherwise).
 
     Why it is exact: the float64 product is within 2^-52 (relative) of the true quotient, while the
-    true quotient of two float32 numbers is never within 2^-48 of a float32 rounding midpoint (a
+    true quotient of two float32 numbers is never within 2^-49 of a float32 rounding midpoint (a
     midpoint has 25 significant bits, and `a = b * midpoint` would need more than a's 24), so rounding
-    the product to float32 gives the correctly rounded quotient. Whether the compiler keeps a division
-    by a constant or multiplies by its float64 reciprocal, the argument holds. It needs a normal
+    the product to float32 gives the correctly rounded quotient. It needs `1 / float64(b)` rounded
+    to nearest, which Python's and Triton's float64 divisions are (PTX `div.rn.f64`). It needs a normal
     float32 quotient (>= 2^-126): a subnormal one may be an exact tie that the float64 product misses
     by an ulp. No such quotient reaches an FP8 byte (all round to ±0), and a scale that small would
     need a per-tensor amax below 2^-117.
