@@ -131,6 +131,18 @@ def test_compiled_on_cpu_matches_reference():
     _compiled_check("cpu")
 
 
+def test_compiled_with_dynamic_m_matches_reference():
+    """One graph for every M (torch.compile(dynamic=True)), col-major scales at each M."""
+    torch._dynamo.reset()
+    token = torch.compile(cq.quantize_act_token, dynamic=True, fullgraph=True)
+    group = torch.compile(lambda x: cq.quantize_act_group(x, col_major=True), dynamic=True, fullgraph=True)
+    for m in (3, 17, 64):
+        x = varied((m, 256), torch.bfloat16, seed=20 + m)
+        check(token, "token", x)
+        check(group, "group", x)
+        assert group(x)[1].stride() == (1, m)
+
+
 @pytest.mark.gpu
 @cuda_only
 def test_compiled_on_cuda_matches_reference_where_plain_division_does_not():
