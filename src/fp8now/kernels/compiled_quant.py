@@ -6,22 +6,24 @@ that produces the activation (RMSNorm, SiLU x up) and quantizes an input shared 
 on any backend: each true float32 division of SPEC §4 is `numerics.exact_div32`, a float64
 reciprocal product that is exact for float32 operands (normal quotients; see there), since inductor
 lowers a float32 `/` to an approximate division in Triton. One float64 multiply per element, no
-float64 division.
+float64 division. The scales come from `numerics.scale_from_amax`, whose divisions switch to
+`exact_div32` while torch.compile traces them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..numerics import E4M3FN, GROUP_AMAX_FLOOR, Fp8Format, exact_div32
+from ..config import ACT_GROUP
+from ..numerics import ACT_RULE, E4M3FN, Fp8Format, exact_div32, scale_from_amax
 
-GROUP = 128
+GROUP = ACT_GROUP["group"][1]   # 128
 
 
 def quantize_act_token(x: torch.Tensor, fmt: Fp8Format = E4M3FN) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token (rule "row"): q [M, K] and s [M, 1] float32, for x [M, K]."""
     xf = x.float()
-    s = exact_div32(xf.abs().amax(dim=1, keepdim=True), fmt.fmax).clamp_min(fmt.min_scale)
+    s = scale_from_amax(xf.abs().amax(dim=1, keepdim=True), ACT_RULE["token"], fmt)
     q = exact_div32(xf, s).clamp(-fmt.fmax, fmt.fmax).to(fmt.dtype)
     return q, s
 
@@ -34,8 +36,7 @@ def quantize_act_group(x: torch.Tensor, col_major: bool = False, fmt: Fp8Format 
     if k % GROUP:
         raise ValueError(f"the compiled group quantizer needs K divisible by {GROUP}, got K={k}")
     xf = x.float().reshape(m, k // GROUP, GROUP)
-    amax = xf.abs().amax(dim=2, keepdim=True).clamp_min(GROUP_AMAX_FLOOR)
-    s = exact_div32(amax, fmt.fmax)
+    s = scale_from_amax(xf.abs().amax(dim=2, keepdim=True), ACT_RULE["group"], fmt)
     q = exact_div32(xf, s).clamp(-fmt.fmax, fmt.fmax).to(fmt.dtype).reshape(m, k)
     s = s.reshape(m, k // GROUP)
     return q, (s.t().contiguous().t() if col_major else s)
