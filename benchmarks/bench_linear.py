@@ -68,11 +68,17 @@ def graph_ms(make_call, copies: int, warmup_ms: int, rep_ms: int) -> float:
     return bench(graph.replay, warmup_ms, rep_ms) / copies
 
 
+# torchao's GEMM accumulation: (name suffix, use_fast_accum) per choice of --torchao-accum. "fast" is
+# its default on sm_90 (cuBLAS fast accumulation, partial sums not promoted to float32 along K);
+# "f32" accumulates in float32, as SPEC §4 asks of fp8now.
+TORCHAO_ACCUM = {"fast": (("", True),), "f32": (("-f32acc", False),),
+                 "both": (("", True), ("-f32acc", False))}
+
+
 def torchao_layers(lin: torch.nn.Linear, accum: str = "fast") -> dict[str, torch.nn.Module]:
     """The peer: torchao float8 dynamic activation + weight, per tensor / per row / 1x128-128x128.
 
-    `accum`: "fast" is torchao's default on sm_90, cuBLAS fast accumulation (partial sums not promoted
-    to float32 along K); "f32" accumulates in float32 as fp8now does (names get "-f32acc"); "both"."""
+    `accum`: a key of TORCHAO_ACCUM (float32 accumulation adds "-f32acc" to the names)."""
     import copy
 
     from torchao.float8.inference import Float8MMConfig
@@ -80,10 +86,8 @@ def torchao_layers(lin: torch.nn.Linear, accum: str = "fast") -> dict[str, torch
     from torchao.quantization.granularity import PerBlock, PerRow, PerTensor
     grans = {"torchao-tensor": PerTensor(), "torchao-row": PerRow(),
              "torchao-block": [PerBlock([1, 128]), PerBlock([128, 128])]}
-    modes = {"fast": (("", True),), "f32": (("-f32acc", False),),
-             "both": (("", True), ("-f32acc", False))}[accum]
     out = {}
-    for suffix, fast in modes:
+    for suffix, fast in TORCHAO_ACCUM[accum]:
         for name, gran in grans.items():
             m = torch.nn.Sequential(copy.deepcopy(lin))
             quantize_(m, Float8DynamicActivationFloat8WeightConfig(
@@ -217,7 +221,7 @@ if __name__ == "__main__":
     ap.add_argument("--no-torchao", action="store_true")
     ap.add_argument("--fp8now-compiled", action="store_true",
                     help="also time fp8now's layers under torch.compile (rows fp8now-<scheme>-compiled)")
-    ap.add_argument("--torchao-accum", default="fast", choices=("fast", "f32", "both"),
+    ap.add_argument("--torchao-accum", default="fast", choices=sorted(TORCHAO_ACCUM),
                     help="torchao's GEMM accumulation: its default fast, float32, or both sets of peers")
     ap.add_argument("--shapes", default="", help="subset, e.g. 4096x4096,28672x4096 (N x K)")
     ap.add_argument("--rep-ms", type=int, default=25, help="do_bench time per measurement")

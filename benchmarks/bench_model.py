@@ -40,6 +40,7 @@ import time
 import torch
 
 from bench_decode import rel
+from bench_linear import TORCHAO_ACCUM, kernels_of
 
 PRESETS = {
     # Llama-3-8B: hidden 4096, 32 heads of 128 (8 key/value heads), MLP 14336
@@ -131,7 +132,6 @@ KERNEL_KINDS = (
 
 def kernel_times(fn) -> dict:
     """GPU µs per call of fn, per kernel family and for the 8 longest kernels (torch.profiler)."""
-    from bench_linear import kernels_of
     kinds: dict[str, float] = {}
     top = []
     for key, us in kernels_of(fn):
@@ -156,9 +156,6 @@ def torchao_model(model: torch.nn.Module, fast_accum: bool) -> torch.nn.Module:
         granularity=PerRow(), mm_config=Float8MMConfig(use_fast_accum=fast_accum)))
     return peer
 
-
-TORCHAO_ACCUM = {"fast": (("torchao-row", True),), "f32": (("torchao-row-f32acc", False),),
-                 "both": (("torchao-row", True), ("torchao-row-f32acc", False))}
 
 
 def case_input(batch: int, seq: int, hidden: int, device: str) -> torch.Tensor:
@@ -187,8 +184,8 @@ def run(args) -> list[dict]:
         models[f"fp8now-{scheme}"] = m
     if args.torchao:
         try:
-            for name, fast in TORCHAO_ACCUM[args.torchao_accum]:
-                models[name] = torchao_model(base, fast)
+            for suffix, fast in TORCHAO_ACCUM[args.torchao_accum]:
+                models["torchao-row" + suffix] = torchao_model(base, fast)
         except Exception as e:  # say why the peer is missing rather than dropping it silently
             notes.append(f"torchao: {type(e).__name__}: {str(e)[:300]}")
     models = {"bf16": base, **models}
