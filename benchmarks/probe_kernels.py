@@ -25,6 +25,9 @@ Sections (argv: a comma list, default all):
   with the activation quantizer fused by inductor (`triton_fp8.COMPILED_QUANT`, the default) against
   the Triton quantizer after a materialized bf16 activation; GPU time of the compiled call in a CUDA
   graph, bf16 compiled as the baseline. Env CQ_M (default 16,8192) sets M.
+- `cqvariants`: the compiled quantizer alone behind its producer (SiLU x up at K = 14336, RMSNorm at
+  K = 4096; M from env CQ_M, default 8192) in several formulations, against the producer alone and the
+  producer + Triton quantizer; the inductor code of each goes to OUT/cq_<case>.py.
 
 `PYTHONPATH=src:benchmarks python benchmarks/probe_kernels.py [sections]`
 """
@@ -597,6 +600,62 @@ def section_compiledquant():
         torch.cuda.empty_cache()
 
 
+def section_cqvariants():
+    from torch._inductor.utils import run_and_get_code
+
+    from fp8now.kernels import compiled_quant as cq
+    from fp8now.kernels import triton_quant
+    from fp8now.numerics import ACT_RULE, E4M3FN, exact_div32, scale_from_amax
+    fmt = E4M3FN
+
+    def group_bf16amax(x, col_major):   # amax taken on the bf16 values (exact), one float upcast later
+        m, k = x.shape
+        xg = x.reshape(m, k // 128, 128)
+        s = scale_from_amax(xg.abs().amax(dim=2, keepdim=True).float(), ACT_RULE["group"], fmt)
+        q = exact_div32(xg.float(), s).clamp(-fmt.fmax, fmt.fmax).to(fmt.dtype).reshape(m, k)
+        s = s.reshape(m, k // 128)
+        return q, (s.t().contiguous().t() if col_major else s)
+
+    quants = {
+        "none": lambda h: (h,),
+        "group-colmajor": lambda h: cq.quantize_act_group(h, col_major=True),
+        "group-rowmajor": lambda h: cq.quantize_act_group(h, col_major=False),
+        "group-bf16amax-colmajor": lambda h: group_bf16amax(h, True),
+        "group-triton-colmajor": lambda h: triton_quant.quantize_act_group(h, col_major=True),
+        "token": cq.quantize_act_token,
+        "token-triton": triton_quant.quantize_act_token,
+    }
+    ms = [int(v) for v in os.environ.get("CQ_M", "8192").split(",")]
+    for producer, k in (("silu", 14336), ("norm", 4096)):
+        w = (1 + 0.1 * torch.randn(k, device="cuda")).to(torch.bfloat16)
+        for m in ms:
+            args = (varied(m, k, seed=m, device="cuda"), varied(m, k, seed=m + 1, device="cuda"))
+            for name, qf in quants.items():
+                def f(a, b, qf=qf):
+                    if producer == "norm":
+                        h = a.float()
+                        h = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+                    else:
+                        h = torch.nn.functional.silu(a) * b
+                    return qf(h)
+                torch._dynamo.reset()
+                try:
+                    comp = torch.compile(f, fullgraph=True)
+                    out, code = run_and_get_code(comp, *args)
+                    with open(os.path.join(OUT, f"cq_{producer}_{m}_{name}.py"), "w") as fh:
+                        fh.write("\n\n# ----\n".join(code))
+                    gms = graph_ms(lambda i, comp=comp: (lambda: comp(*args)), 1, 5, 25)
+                    nbytes = sum(t.numel() * t.element_size() for t in args) if producer == "silu" else \
+                        args[0].numel() * 2
+                    nbytes += sum(t.numel() * t.element_size() for t in out)
+                    add(sec="cqvariants", producer=producer, M=m, K=k, impl=name, graph=gms,
+                        tbps=nbytes / gms / 1e9, kernels=sum(c.count("@triton.jit") for c in code))
+                except Exception as e:
+                    add(sec="cqvariants", producer=producer, M=m, K=k, impl=name,
+                        fail=f"{type(e).__name__}: {e}"[:300])
+        torch.cuda.empty_cache()
+
+
 def bf16_times(sec: str, field: str = "ms") -> dict:
     """(M, N, K) -> the bf16 row's `field` in section `sec` (the baseline of that section's table)."""
     return {(r["M"], r["N"], r["K"]): r[field] for r in ROWS if r.get("sec") == sec and r["impl"] == "bf16"}
@@ -687,6 +746,14 @@ def table():
                 continue
             print(f"{r['producer']:>5} {r['M']:>5} {r['N']:>6} {r['K']:>6} {r['impl']:26} {1e3 * r['graph']:8.1f} "
                   f"{bfq[key] / r['graph']:5.2f}x rel_to_eager={r['rel_to_eager']:.1e}")
+    print("\n== cqvariants (compiled producer + quantizer, graph us, TB/s of the unavoidable bytes)")
+    for r in ROWS:
+        if r.get("sec") == "cqvariants":
+            if "fail" in r:
+                print(f"{r['producer']:>5} {r['M']:>5} {r['K']:>6} {r['impl']:24} FAILED {r['fail'][:100]}")
+            else:
+                print(f"{r['producer']:>5} {r['M']:>5} {r['K']:>6} {r['impl']:24} {1e3 * r['graph']:8.1f} "
+                      f"{r['tbps']:5.2f} TB/s {r['kernels']} inductor kernels")
     print("\n== decode (graph us; x = bf16 / this)")
     bfd = bf16_times("decode", "graph")
     for r in ROWS:
