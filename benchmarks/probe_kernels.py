@@ -24,7 +24,8 @@ Sections (argv: a comma list, default all):
 - `compiledquant`: under torch.compile, a layer behind its producer (Llama RMSNorm, or SiLU(gate) x up),
   with the activation quantizer fused by inductor (`triton_fp8.COMPILED_QUANT`, the default) against
   the Triton quantizer after a materialized bf16 activation; GPU time of the compiled call in a CUDA
-  graph, bf16 compiled as the baseline. Env CQ_M (default 16,8192) sets M.
+  graph, bf16 compiled as the baseline. Env CQ_M (default 16,8192) sets M, CQ_CASES=silu:4096:14336,...
+  the cases, CQ_KERNELS=1 records each call's CUDA kernels.
 - `cqvariants`: the compiled quantizer alone behind its producer (SiLU x up at K = 14336, RMSNorm at
   K = 4096; M from env CQ_M, default 8192) in several formulations, against the producer alone and the
   producer + Triton quantizer; the inductor code of each goes to OUT/cq_<case>.py.
@@ -563,6 +564,9 @@ def section_compiledquant():
     from fp8now.kernels import triton_fp8
     ms = [int(v) for v in os.environ.get("CQ_M", "16,8192").split(",")]  # ~8 s of compile per row
     cases = [("norm", 6144, 4096), ("norm", 8192, 8192), ("silu", 4096, 14336), ("silu", 8192, 28672)]
+    if os.environ.get("CQ_CASES"):   # e.g. silu:4096:14336,norm:6144:4096
+        cases = [(p, int(n), int(k)) for p, n, k in (c.split(":") for c in os.environ["CQ_CASES"].split(","))]
+    want_kernels = bool(os.environ.get("CQ_KERNELS"))   # also the CUDA kernels of each compiled call
     for producer, n, k in cases:
         lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
         lin.weight.copy_(varied(n, k, seed=n + k, device="cuda") * 0.02)
@@ -590,8 +594,9 @@ def section_compiledquant():
                         ref = f(*args)   # eager: Triton quantizer after the eager producer
                         gms = graph_ms(lambda i, comp=comp: (lambda: comp(*args)), 1, 5, 25)
                         impl = name if name == "bf16" else f"{name}-{'fused' if fused else 'triton-quant'}"
+                        extra = {"kernels": kernels_of(lambda: comp(*args))} if want_kernels else {}
                         add(sec="compiledquant", producer=producer, M=m, N=n, K=k, impl=impl, graph=gms,
-                            rel_to_eager=rel(y, ref))
+                            rel_to_eager=rel(y, ref), **extra)
                     except Exception as e:
                         add(sec="compiledquant", producer=producer, M=m, N=n, K=k, impl=name,
                             fused=fused, fail=f"{type(e).__name__}: {e}"[:300])
@@ -746,6 +751,8 @@ def table():
                 continue
             print(f"{r['producer']:>5} {r['M']:>5} {r['N']:>6} {r['K']:>6} {r['impl']:26} {1e3 * r['graph']:8.1f} "
                   f"{bfq[key] / r['graph']:5.2f}x rel_to_eager={r['rel_to_eager']:.1e}")
+            for nm, us in r.get("kernels", [])[:4]:
+                print(f"{'':>12} {us:8.1f} us  {nm[:80]}")
     print("\n== cqvariants (compiled producer + quantizer, graph us, TB/s of the unavoidable bytes)")
     for r in ROWS:
         if r.get("sec") == "cqvariants":
