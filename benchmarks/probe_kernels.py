@@ -22,7 +22,7 @@ Sections (argv: a comma list, default all):
 - `decode`: programmatic dependent launch (PDL) of the decode kernel after the quantizer, GPU time in
   CUDA graphs; PDL results checked bit-identical to the plain launch, eager and replayed.
 - `compiledquant`: under torch.compile, a layer behind its producer (Llama RMSNorm, or SiLU(gate) x up),
-  with the activation quantizer fused by inductor (`triton_fp8.COMPILED_QUANT`, the default) against
+  with the activation quantizer fused by inductor (`triton_fp8.COMPILED_QUANT`, set for both kinds) against
   the Triton quantizer after a materialized bf16 activation; GPU time of the compiled call in a CUDA
   graph, bf16 compiled as the baseline. Env CQ_M (default 16,8192) sets M, CQ_CASES=silu:4096:14336,...
   the cases, CQ_KERNELS=1 records each call's CUDA kernels.
@@ -567,6 +567,7 @@ def section_compiledquant():
     if os.environ.get("CQ_CASES"):   # e.g. silu:4096:14336,norm:6144:4096
         cases = [(p, int(n), int(k)) for p, n, k in (c.split(":") for c in os.environ["CQ_CASES"].split(","))]
     want_kernels = bool(os.environ.get("CQ_KERNELS"))   # also the CUDA kernels of each compiled call
+    shipped = dict(triton_fp8.COMPILED_QUANT)
     for producer, n, k in cases:
         lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
         lin.weight.copy_(varied(n, k, seed=n + k, device="cuda") * 0.02)
@@ -586,7 +587,7 @@ def section_compiledquant():
                         return layer(w * h.to(torch.bfloat16))
                     return layer(torch.nn.functional.silu(a[0]) * a[1])
                 for fused in ((True, False) if name != "bf16" else (True,)):
-                    triton_fp8.COMPILED_QUANT = fused
+                    triton_fp8.COMPILED_QUANT = {"token": fused, "group": fused}
                     torch._dynamo.reset()
                     try:
                         comp = torch.compile(f, fullgraph=True)
@@ -600,7 +601,7 @@ def section_compiledquant():
                     except Exception as e:
                         add(sec="compiledquant", producer=producer, M=m, N=n, K=k, impl=name,
                             fused=fused, fail=f"{type(e).__name__}: {e}"[:300])
-        triton_fp8.COMPILED_QUANT = True
+        triton_fp8.COMPILED_QUANT = shipped
         del layers, lin
         torch.cuda.empty_cache()
 

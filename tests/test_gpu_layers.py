@@ -204,18 +204,23 @@ def test_compile_sees_which_inputs_each_kernel_writes(scheme, m):
     assert "lru_cache" not in run.stderr, run.stderr[-2000:]
 
 
-@pytest.mark.parametrize("scheme", [Scheme.CHANNEL, Scheme.BLOCK])
+@pytest.mark.parametrize("scheme,fused", [(Scheme.CHANNEL, True), (Scheme.BLOCK, True), (Scheme.BLOCK, False)])
 @pytest.mark.parametrize("m", [4, 512])
-def test_compiled_quantization_fuses_into_the_producing_norm(scheme, m):
-    """Under torch.compile the activation quantizer is inductor code (kernels/compiled_quant): no
-    fp8now quantizer kernel is launched. Per token (channel), whose amax runs along the norm's own
-    reduction, the normalized bf16 activation never reaches memory: inductor allocates the FP8
-    activation [M, 2048] and no bf16 one. (The 1x128 groups reduce over other ranges; whether inductor
-    fuses those is left to the benchmarks.) The output stays that of the eager call to within the
-    norm's own compiled-vs-eager rounding (a few FP8 flips, not a different computation)."""
+def test_compiled_quantization_fuses_into_the_producing_norm(scheme, fused, m, monkeypatch):
+    """Under torch.compile, where `triton_fp8.COMPILED_QUANT` says so for the activation kind, the
+    quantizer is inductor code (kernels/compiled_quant): no fp8now quantizer kernel is launched;
+    elsewhere the Triton one is. Per token (channel), whose amax runs along the norm's own reduction,
+    the normalized bf16 activation never reaches memory: inductor allocates the FP8 activation
+    [M, 2048] and no bf16 one. (The 1x128 groups reduce over other ranges; how inductor schedules
+    those is left to the benchmarks.) The output stays that of the eager call to within the norm's own
+    compiled-vs-eager rounding (a few FP8 flips, not a different computation)."""
     import re
 
     from torch._inductor.utils import run_and_get_code
+
+    from fp8now.kernels import triton_fp8
+    kind = "token" if scheme is Scheme.CHANNEL else "group"
+    monkeypatch.setitem(triton_fp8.COMPILED_QUANT, kind, fused)
     lin, layer = layer_for(1024, 2048, scheme, "auto")
     w = (1 + 0.1 * torch.randn(2048, device="cuda")).to(torch.bfloat16)
 
@@ -228,7 +233,11 @@ def test_compiled_quantization_fuses_into_the_producing_norm(scheme, m):
     torch._dynamo.reset()
     y, codes = run_and_get_code(torch.compile(f, fullgraph=True), x)
     code = "\n".join(codes)
-    assert "_row_quant_kernel" not in code and "_group_quant_kernel" not in code
+    triton_kernel = "_row_quant_kernel" if kind == "token" else "_group_quant_kernel"
+    if fused:
+        assert "_row_quant_kernel" not in code and "_group_quant_kernel" not in code
+    else:
+        assert triton_kernel in code
     if scheme is Scheme.CHANNEL:
         alloc = re.findall(r"empty_strided_cuda\(\((\d+), 2048\), \(2048, 1\), torch\.(\w+)\)", code)
         assert (str(m), "float8_e4m3fn") in alloc, alloc     # the pattern reads this torch's code
