@@ -609,10 +609,14 @@ def section_compiledquant():
 def section_cqvariants():
     from torch._inductor.utils import run_and_get_code
 
-    from fp8now.kernels import compiled_quant as cq
+    from fp8now import numerics
     from fp8now.kernels import triton_quant
     from fp8now.numerics import ACT_RULE, E4M3FN, exact_div32, scale_from_amax
     fmt = E4M3FN
+
+    def group(x, col_major):           # numerics' group quantizer, scales optionally column-major
+        q, s = numerics.quantize_activation(x, "group")
+        return q, (s.t().contiguous().t() if col_major else s)
 
     def group_bf16amax(x, col_major):   # amax taken on the bf16 values (exact), one float upcast later
         m, k = x.shape
@@ -624,11 +628,11 @@ def section_cqvariants():
 
     quants = {
         "none": lambda h: (h,),
-        "group-colmajor": lambda h: cq.quantize_act_group(h, col_major=True),
-        "group-rowmajor": lambda h: cq.quantize_act_group(h, col_major=False),
+        "group-colmajor": lambda h: group(h, True),
+        "group-rowmajor": lambda h: group(h, False),
         "group-bf16amax-colmajor": lambda h: group_bf16amax(h, True),
         "group-triton-colmajor": lambda h: triton_quant.quantize_act_group(h, col_major=True),
-        "token": cq.quantize_act_token,
+        "token": lambda h: numerics.quantize_activation(h, "token"),
         "token-triton": triton_quant.quantize_act_token,
     }
     ms = [int(v) for v in os.environ.get("CQ_M", "8192").split(",")]

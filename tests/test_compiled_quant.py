@@ -1,9 +1,11 @@
-"""The torch-op activation quantizers that the `triton` backend hands to inductor under torch.compile.
-
-They must give the bytes of `numerics.quantize_activation` (whose CPU float32 division is the spec's
-true division) eagerly and compiled. The data include rows built so that x / s lands within a few
-float32 ulps of an FP8 rounding midpoint: there a float32 reciprocal multiply (or Triton's approximate
-`/`) rounds to the other FP8 neighbour, which the controls show happens on this data.
+"""Activation quantization under torch.compile: `numerics.quantize_activation` (the torch and
+reference backends' quantizer, and the `triton` backend's per-token quantizer while compiling, through
+`triton_fp8._token` / `_group`) compiled must give the bytes of the eager CPU reference, whose float32
+division is the spec's true division. Compiled, each true division is `numerics.exact_div32`, since
+inductor lowers a float32 `/` to an approximate division in Triton. The data include rows built so
+that x / s lands within a few float32 ulps of an FP8 rounding midpoint: there a float32 reciprocal
+multiply (or Triton's approximate `/`) rounds to the other FP8 neighbour, which the controls show
+happens on this data.
 """
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 
 from fp8_oracle import fp8_values, varied
 from fp8now import numerics
-from fp8now.kernels import compiled_quant as cq
+from fp8now.kernels import triton_fp8
 
 FMAX = numerics.E4M3FN.fmax
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run with -m gpu there)")
@@ -58,23 +60,18 @@ def check(fn, kind: str, x: torch.Tensor, **kw) -> None:
     assert torch.equal(bits(q.cpu()), bits(q_ref))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("m,k", [(1, 256), (7, 384), (33, 1024)])
-def test_varied_data_matches_reference(dtype, m, k):
-    x = varied((m, k), dtype, seed=m * k)
-    check(cq.quantize_act_token, "token", x)
-    check(cq.quantize_act_group, "group", x)
-    q, s = cq.quantize_act_group(x, col_major=True)
-    assert torch.equal(s, numerics.quantize_activation(x, "group")[1])
-    assert m == 1 or s.stride() == (1, m)  # one row: either stride order is the same layout
+def with_zero_rows(x: torch.Tensor) -> torch.Tensor:
+    """Zero rows and a zero group take the scale floor."""
+    x = x.clone()
+    x[1] = 0
+    x[3, :128] = 0
+    return x
 
 
-def test_near_midpoint_data_matches_reference_and_defeats_float32_reciprocal():
+def test_near_midpoint_data_tells_true_division_from_the_reciprocal_product():
     x = near_midpoints(64, 512, seed=3)
-    check(cq.quantize_act_token, "token", x)
-    check(cq.quantize_act_group, "group", x)
     q_ref = numerics.quantize_activation(x, "token")[0]
-    assert (bits(naive_f32_token(x)) != bits(q_ref)).sum() > 0  # the data can tell the two apart
+    assert (bits(naive_f32_token(x)) != bits(q_ref)).sum() > 0
 
 
 def test_exact_div32_is_the_ieee_float32_quotient():
@@ -94,62 +91,55 @@ def test_exact_div32_is_the_ieee_float32_quotient():
     assert not torch.equal((c * (1.0 / b)).view(torch.int32), (c / b).view(torch.int32))
 
 
+def compiled_data() -> list[torch.Tensor]:
+    return [near_midpoints(32, 512, seed=8), varied((16, 384), torch.bfloat16, seed=9),
+            varied((7, 256), torch.float16, seed=10), with_zero_rows(varied((5, 384), torch.float32, seed=11))]
+
+
 @pytest.mark.parametrize("kind", ["token", "tensor", "group"])
 def test_numerics_under_compile_keeps_its_bytes(kind):
-    """`numerics.quantize_activation` (the torch and reference backends' quantizer) under torch.compile:
-    its true divisions switch to `exact_div32` there (CPU here; the CUDA run is the GPU test below)."""
+    """bf16, fp16 and float32 inputs, near-midpoint data, zero rows (CPU here; CUDA in the GPU test)."""
     torch._dynamo.reset()
     fn = torch.compile(lambda x: numerics.quantize_activation(x, kind), fullgraph=True)
-    for x in (near_midpoints(32, 512, seed=8), varied((16, 384), torch.bfloat16, seed=9)):
+    for x in compiled_data():
         check(fn, kind, x)
 
 
-def test_zero_rows_take_the_floor():
-    x = varied((4, 256), torch.bfloat16, seed=1)
-    x[1] = 0
-    x[3, :128] = 0
-    check(cq.quantize_act_token, "token", x)
-    check(cq.quantize_act_group, "group", x)
-
-
-def test_group_quantizer_rejects_ragged_k():
-    with pytest.raises(ValueError, match="K divisible by 128"):
-        cq.quantize_act_group(torch.ones(2, 200))
-
-
-def _compiled_check(device: str) -> None:
+def backend_quantizers(monkeypatch) -> tuple:
+    """The triton backend's quantizer entry points, compiled with their torch-op path switched on
+    for both kinds (dynamic M: one graph for every M); group with column-major scales."""
+    monkeypatch.setitem(triton_fp8.COMPILED_QUANT, "token", True)
+    monkeypatch.setitem(triton_fp8.COMPILED_QUANT, "group", True)
     torch._dynamo.reset()
-    token = torch.compile(cq.quantize_act_token, fullgraph=True)
-    group = torch.compile(lambda x: cq.quantize_act_group(x, col_major=True), fullgraph=True)
-    for x in (near_midpoints(64, 512, seed=5), varied((48, 1024), torch.bfloat16, seed=6)):
-        x = x.to(device)
-        check(token, "token", x)
-        check(group, "group", x)
+    token = torch.compile(lambda x: triton_fp8._token(x), dynamic=True, fullgraph=True)
+    group = torch.compile(lambda x: triton_fp8._group(x, col_major=True), dynamic=True, fullgraph=True)
+    return token, group
 
 
-def test_compiled_on_cpu_matches_reference():
-    _compiled_check("cpu")
-
-
-def test_compiled_with_dynamic_m_matches_reference():
-    """One graph for every M (torch.compile(dynamic=True)), col-major scales at each M."""
-    torch._dynamo.reset()
-    token = torch.compile(cq.quantize_act_token, dynamic=True, fullgraph=True)
-    group = torch.compile(lambda x: cq.quantize_act_group(x, col_major=True), dynamic=True, fullgraph=True)
+def test_backend_quantizers_compile_to_the_reference_bytes(monkeypatch):
+    """Through `triton_fp8._token` / `_group` (no Triton launch on this path), col-major scales at each M."""
+    token, group = backend_quantizers(monkeypatch)
     for m in (3, 17, 64):
         x = varied((m, 256), torch.bfloat16, seed=20 + m)
         check(token, "token", x)
         check(group, "group", x)
         assert group(x)[1].stride() == (1, m)
+    x = near_midpoints(64, 512, seed=5)
+    check(token, "token", x)
+    check(group, "group", x)
 
 
 @pytest.mark.gpu
 @cuda_only
-def test_compiled_on_cuda_matches_reference_where_plain_division_does_not():
+def test_compiled_on_cuda_matches_reference_where_plain_division_does_not(monkeypatch):
     """Inductor lowers a float32 `/` to Triton's approximate division: the control (the spec's
     formula written naively in float32 torch ops) loses bytes on the near-midpoint data; the float64
     reciprocal product does not."""
-    _compiled_check("cuda")
+    token, group = backend_quantizers(monkeypatch)
+    for x in (near_midpoints(64, 512, seed=5), varied((48, 1024), torch.bfloat16, seed=6)):
+        check(token, "token", x.cuda())
+        check(group, "group", x.cuda())
+        assert group(x.cuda())[1].stride() == (1, x.shape[0])
 
     def naive(x):
         xf = x.float()
@@ -168,5 +158,6 @@ def test_compiled_on_cuda_matches_reference_where_plain_division_does_not():
 def test_numerics_compiled_on_cuda_keeps_its_bytes(kind):
     torch._dynamo.reset()
     fn = torch.compile(lambda x: numerics.quantize_activation(x, kind), fullgraph=True)
-    for x in (near_midpoints(256, 1024, seed=12), varied((64, 1024), torch.bfloat16, seed=13)):
+    for x in (near_midpoints(256, 1024, seed=12), varied((64, 1024), torch.bfloat16, seed=13),
+              with_zero_rows(varied((8, 384), torch.float16, seed=14))):
         check(fn, kind, x.cuda())

@@ -208,7 +208,7 @@ def test_compile_sees_which_inputs_each_kernel_writes(scheme, m):
 @pytest.mark.parametrize("m", [4, 512])
 def test_compiled_quantization_fuses_into_the_producing_norm(scheme, fused, m, monkeypatch):
     """Under torch.compile, where `triton_fp8.COMPILED_QUANT` says so for the activation kind, the
-    quantizer is inductor code (kernels/compiled_quant): no fp8now quantizer kernel is launched;
+    quantizer is inductor code (numerics' torch ops): no fp8now quantizer kernel is launched;
     elsewhere the Triton one is. Per token (channel), whose amax runs along the norm's own reduction,
     the normalized bf16 activation never reaches memory: inductor allocates the FP8 activation
     [M, 2048] and no bf16 one. (The 1x128 groups reduce over other ranges; how inductor schedules

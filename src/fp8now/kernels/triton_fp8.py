@@ -29,9 +29,10 @@ The thresholds come from CUDA-graph timings (GPU time, no host overhead) of both
 and 64 over the seven benchmark shapes (benchmarks/tune_decode.py): the Triton rowwise GEMM beat cuBLAS
 on 20 of 21 rows; the Triton block GEMM won at M <= 32 but not reliably at 64.
 - batch_invariant: Triton quantizer + Triton GEMM with one fixed configuration for every M.
-- Under torch.compile the activation quantizers are `compiled_quant`'s torch ops instead of the Triton
-  quantizers (same bytes): inductor fuses them into the kernel that produces the activation and
-  quantizes an input shared by several layers once. The GEMMs are the same as eagerly.
+- Under torch.compile, where COMPILED_QUANT says so, the per-token quantizer is `numerics`' own torch
+  ops instead of the Triton kernel (same bytes: its true divisions become `numerics.exact_div32` while
+  compiling): inductor fuses them into the kernel that produces the activation and quantizes an input
+  shared by several layers once. The GEMMs are the same as eagerly.
 All of it is launches only: no host synchronization, so it captures in CUDA graphs.
 """
 
@@ -40,15 +41,16 @@ from __future__ import annotations
 import torch
 
 from ..config import Scheme
-from . import compiled_quant, torch_mm, triton_decode, triton_gemm, triton_quant
+from .. import numerics
+from . import torch_mm, triton_decode, triton_gemm, triton_quant
 
 TRITON_MAX_M = {"rowwise": 64, "block": 32}   # at or below: the Triton GEMMs (split-K for decode)
 FUSED_BLOCK_MAX_N = 8192  # block, M = 1: quantize inside the decode kernel up to this many outputs
 PDL_MAX_M = 4             # tensor / channel decode: programmatic dependent launch up to this M
 TENSORWISE_M1 = True      # tensor scheme, M = 1: cuBLAS tensorwise instead of the decode kernel
 BLOCK_GEMM = "torch"    # "torch" (blockwise F.scaled_mm) or "triton" above TRITON_MAX_M["block"]
-# Under torch.compile, per activation kind: quantize with compiled_quant's torch ops, which inductor
-# fuses into the producing kernel, instead of the Triton quantizer. "group" is off. Behind SiLU x up
+# Under torch.compile, per activation kind: quantize with numerics' torch ops, which inductor fuses
+# into the producing kernel, instead of the Triton quantizer. "group" is off. Behind SiLU x up
 # (M = 8192, K = 14336) inductor splits it into a reduction and a pointwise pass that recomputes the
 # producer, 1155 against 996 µs per layer; behind RMSNorm it is within 3% either way (H200, 2026-12-04).
 COMPILED_QUANT = {"token": True, "group": False}
@@ -74,14 +76,15 @@ def available(device: torch.device, scheme: Scheme, act_kind: str, n: int, k: in
 def _token(x: torch.Tensor, early_launch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token FP8 rows and [M, 1] scales: torch ops for inductor under compile, else the Triton kernel."""
     if COMPILED_QUANT["token"] and torch.compiler.is_compiling():
-        return compiled_quant.quantize_act_token(x)
+        return numerics.quantize_activation(x, "token")
     return triton_quant.quantize_act_token(x, early_launch=early_launch)
 
 
 def _group(x: torch.Tensor, col_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """1x128-group FP8 and [M, K/128] scales, the same way."""
+    """1x128-group FP8 and [M, K/128] scales (strides (1, M) if `col_major`), the same way."""
     if COMPILED_QUANT["group"] and torch.compiler.is_compiling():
-        return compiled_quant.quantize_act_group(x, col_major=col_major)
+        q, s = numerics.quantize_activation(x, "group")
+        return q, (s.t().contiguous().t() if col_major else s)
     return triton_quant.quantize_act_group(x, col_major=col_major)
 
 
