@@ -765,7 +765,7 @@ def table():
                 print(f"{r['producer']:>5} {r['M']:>5} {r['K']:>6} {r['impl']:24} FAILED {r['fail'][:100]}")
             else:
                 print(f"{r['producer']:>5} {r['M']:>5} {r['K']:>6} {r['impl']:24} {1e3 * r['graph']:8.1f} "
-                      f"{r['tbps']:5.2f} TB/s {r['kernels']} inductor kernels")
+                      f"{r['tbps']:5.2f} TB/s {r['kernels']} @triton.jit in the code")
     print("\n== decode (graph us; x = bf16 / this)")
     bfd = bf16_times("decode", "graph")
     for r in ROWS:
