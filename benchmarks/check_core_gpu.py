@@ -15,7 +15,6 @@ import sys
 import torch
 
 from fp8now import Fp8Config, Fp8Linear, Scheme, rel_diff
-from fp8now.config import ACT_GROUP
 from fp8now.kernels import pick_backend
 from fp8now.kernels.reference import exact_matmul
 from fp8now.numerics import quantize_activation, quantize_weight
