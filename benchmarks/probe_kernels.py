@@ -29,6 +29,12 @@ Sections (argv: a comma list, default all):
 - `cqvariants`: the compiled quantizer alone behind its producer (SiLU x up at K = 14336, RMSNorm at
   K = 4096; M from env CQ_M, default 8192) in several formulations, against the producer alone and the
   producer + Triton quantizer; the inductor code of each goes to OUT/cq_<case>.py.
+- `decodecfg`: the decode kernel's launch configuration swept (BLOCK_N, num_warps, num_stages,
+  SPLIT_K; the shipped `DECODE_CONFIG` first) for channel (Triton quantizer + decode kernel, PDL at
+  M <= 4, as shipped) and block (in-kernel groups at M = 1, pre-quantized above), each config checked
+  against the float64 product of its FP8 operands (float32 output, rel < 1e-5), GPU time in CUDA graphs of 8 weight copies. Env
+  DCFG_SHAPES (N x K list, default 4096x4096,6144x4096,8192x8192), DCFG_M (default
+  1,4,16), DCFG_BUDGET_S (default 240: stops sweeping, keeps what it has).
 
 `PYTHONPATH=src:benchmarks python benchmarks/probe_kernels.py [sections]`
 """
@@ -666,6 +672,82 @@ def section_cqvariants():
         torch.cuda.empty_cache()
 
 
+def decode_configs() -> list[dict]:
+    """The shipped decode config first, then a grid around it (likely candidates early)."""
+    import itertools
+
+    from fp8now.kernels.triton_decode import DECODE_CONFIG
+    out = [dict(DECODE_CONFIG)]
+    grid = [(split, bn, 4, stages) for split, bn, stages in itertools.product((0, 2, 4, 8, 16), (64, 32, 128), (4, 6))]
+    grid += [(split, 128, 8, 4) for split in (0, 2, 4, 8, 16)]
+    for split, bn, warps, stages in grid:
+        cfg = dict(DECODE_CONFIG, BLOCK_N=bn, num_warps=warps, num_stages=stages, SPLIT_K=split)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def section_decodecfg():
+    from fp8now.kernels import split_counters, triton_decode as td, triton_quant as tq
+    from fp8now.numerics import quantize_weight
+    copies, t0 = 8, time.time()
+    budget = float(os.environ.get("DCFG_BUDGET_S", "240"))
+    shapes = [tuple(int(v) for v in sh.split("x")) for sh in
+              os.environ.get("DCFG_SHAPES", "4096x4096,6144x4096,8192x8192").split(",")]
+    ms = [int(v) for v in os.environ.get("DCFG_M", "1,4,16").split(",")]
+    configs = decode_configs()
+    for n, k in shapes:
+        if time.time() - t0 > budget:
+            break
+        w = varied(n, k, seed=n + 5 * k, device="cuda")
+        wq = {s: [tuple(t.clone() for t in quantize_weight(w, s)) for _ in range(copies)]
+              for s in ("channel", "block")}
+        cnt = [split_counters(n, "cuda") for _ in range(copies)]
+        for m in ms:
+            x = varied(m, k, seed=m + n + 1, device="cuda")
+            base = dict(sec="decodecfg", M=m, N=n, K=k)
+            add(impl="bf16", graph=graph_ms(lambda i: (lambda: torch.nn.functional.linear(x, w)), copies, 5, 20),
+                **base)
+
+            def channel(i, cfg, out=torch.bfloat16):
+                pdl = m <= 4
+                q, s = tq.quantize_act_token(x, early_launch=pdl)
+                return td.decode_linear(q, *wq["channel"][i], "channel", "token", x_scale=s, counters=cnt[i],
+                                        config=cfg, pdl=pdl, out_dtype=out)
+
+            def block(i, cfg, out=torch.bfloat16):
+                if m == 1:
+                    return td.decode_linear(x, *wq["block"][i], "block", "group", counters=cnt[i], config=cfg,
+                                            out_dtype=out)
+                q, s = tq.quantize_act_group(x)
+                return td.decode_linear(q, *wq["block"][i], "block", "group", x_scale=s, counters=cnt[i],
+                                        config=cfg, out_dtype=out)
+
+            exact = {}
+            for scheme in ("channel", "block"):   # float64 product of the FP8 operands the kernel sees
+                xq, xs = (tq.quantize_act_token(x) if scheme == "channel" else tq.quantize_act_group(x))
+                wq0, ws0 = wq[scheme][0]
+                if scheme == "block":
+                    xs = xs.double().repeat_interleave(128, dim=1)[:, :k]
+                    ws0 = ws0.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+                exact[scheme] = (xq.double() * xs.double()) @ (wq0.double() * ws0.double()).t()
+            for scheme, call in (("channel", channel), ("block", block)):
+                for ci, cfg in enumerate(configs):
+                    if time.time() - t0 > budget:
+                        add(impl=f"{scheme}-budget", fail=f"budget {budget:.0f} s spent", **base)
+                        break
+                    tag = {kk: cfg[kk] for kk in ("BLOCK_N", "num_warps", "num_stages", "SPLIT_K")}
+                    try:
+                        err = rel(call(0, cfg, torch.float32), exact[scheme])   # float32 out: ~1e-7
+                        gms = graph_ms(lambda i, cfg=cfg, call=call: (lambda: call(i, cfg)), copies, 3, 10)
+                        add(impl=scheme, shipped=ci == 0, cfg=tag, graph=gms, err=err, **base)
+                    except Exception as e:
+                        add(impl=scheme, shipped=ci == 0, cfg=tag, fail=f"{type(e).__name__}: {e}"[:200], **base)
+        del w, wq, cnt
+        torch.cuda.empty_cache()
+        print(f"decodecfg {n}x{k} done at {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+
+
 def bf16_times(sec: str, field: str = "ms") -> dict:
     """(M, N, K) -> the bf16 row's `field` in section `sec` (the baseline of that section's table)."""
     return {(r["M"], r["N"], r["K"]): r[field] for r in ROWS if r.get("sec") == sec and r["impl"] == "bf16"}
@@ -766,6 +848,23 @@ def table():
             else:
                 print(f"{r['producer']:>5} {r['M']:>5} {r['K']:>6} {r['impl']:24} {1e3 * r['graph']:8.1f} "
                       f"{r['tbps']:5.2f} TB/s {r['kernels']} @triton.jit in the code")
+    print("\n== decodecfg (graph us; x = bf16 / this; shipped, then the best 3 configs that pass)")
+    bfd = bf16_times("decodecfg", "graph")
+    keys = sorted({(r["N"], r["K"], r["M"], r["impl"]) for r in ROWS
+                   if r.get("sec") == "decodecfg" and r["impl"] in ("channel", "block")})
+    for n, k, m, impl in keys:
+        rs = [r for r in ROWS if r.get("sec") == "decodecfg" and (r["N"], r["K"], r["M"], r["impl"]) == (n, k, m, impl)]
+        ok = sorted((r for r in rs if "graph" in r and r["err"] < 1e-5), key=lambda r: r["graph"])
+        ship = [r for r in rs if r.get("shipped") and "graph" in r]
+        bad = sum(1 for r in rs if "fail" in r or ("err" in r and r["err"] >= 1e-5))
+        line = f"{n:>6} {k:>6} {m:>3} {impl:8}"
+        if ship:
+            line += f" shipped {1e3 * ship[0]['graph']:6.1f} ({bfd[(m, n, k)] / ship[0]['graph']:4.2f}x)"
+        for r in ok[:3]:
+            c = r["cfg"]
+            line += (f" | {1e3 * r['graph']:6.1f} ({bfd[(m, n, k)] / r['graph']:4.2f}x) n{c['BLOCK_N']}"
+                     f" w{c['num_warps']} s{c['num_stages']} k{c['SPLIT_K']}")
+        print(line + (f" [{bad} failed/off]" if bad else ""))
     print("\n== decode (graph us; x = bf16 / this)")
     bfd = bf16_times("decode", "graph")
     for r in ROWS:
