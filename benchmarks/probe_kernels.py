@@ -34,7 +34,7 @@ Sections (argv: a comma list, default all):
   M <= 4, as shipped) and block (in-kernel groups at M = 1, pre-quantized above), each config checked
   against the float64 product of its FP8 operands (float32 output, rel < 1e-5), GPU time in CUDA graphs of 8 weight copies. Env
   DCFG_SHAPES (N x K list, default 4096x4096,6144x4096,8192x8192), DCFG_M (default
-  1,4,16), DCFG_BUDGET_S (default 240: stops sweeping, keeps what it has).
+  1,4,16), DCFG_BUDGET_S (default 330: stops sweeping, keeps what it has).
 
 `PYTHONPATH=src:benchmarks python benchmarks/probe_kernels.py [sections]`
 """
@@ -678,8 +678,10 @@ def decode_configs() -> list[dict]:
 
     from fp8now.kernels.triton_decode import DECODE_CONFIG
     out = [dict(DECODE_CONFIG)]
-    grid = [(split, bn, 4, stages) for split, bn, stages in itertools.product((0, 2, 4, 8, 16), (64, 32, 128), (4, 6))]
-    grid += [(split, 128, 8, 4) for split in (0, 2, 4, 8, 16)]
+    # SPLIT_K = 1: no in-kernel reduction (its partial store, ticket and re-read are a serial tail)
+    splits = (0, 1, 2, 4, 8, 16)
+    grid = [(split, bn, 4, stages) for split, bn, stages in itertools.product(splits, (64, 32, 128, 16), (4, 6))]
+    grid += [(split, 128, 8, 4) for split in splits]
     for split, bn, warps, stages in grid:
         cfg = dict(DECODE_CONFIG, BLOCK_N=bn, num_warps=warps, num_stages=stages, SPLIT_K=split)
         if cfg not in out:
@@ -691,7 +693,7 @@ def section_decodecfg():
     from fp8now.kernels import split_counters, triton_decode as td, triton_quant as tq
     from fp8now.numerics import quantize_weight
     copies, t0 = 8, time.time()
-    budget = float(os.environ.get("DCFG_BUDGET_S", "240"))
+    budget = float(os.environ.get("DCFG_BUDGET_S", "330"))
     shapes = [tuple(int(v) for v in sh.split("x")) for sh in
               os.environ.get("DCFG_SHAPES", "4096x4096,6144x4096,8192x8192").split(",")]
     ms = [int(v) for v in os.environ.get("DCFG_M", "1,4,16").split(",")]
