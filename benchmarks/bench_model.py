@@ -157,7 +157,6 @@ def torchao_model(model: torch.nn.Module, fast_accum: bool) -> torch.nn.Module:
     return peer
 
 
-
 def case_input(batch: int, seq: int, hidden: int, device: str) -> torch.Tensor:
     """The seeded bf16 `inputs_embeds` [batch, seq, hidden] of one case (the same in every mode)."""
     g = torch.Generator(device="cpu").manual_seed(batch * 10007 + seq)

@@ -51,6 +51,7 @@ import triton
 
 from bench_decode import rel
 from bench_linear import bench, graph_ms, kernels_of, varied
+from tune_decode import exact as exact_product
 
 OUT = os.environ.get("OUT", ".")
 ROWS: list[dict] = []
@@ -564,6 +565,14 @@ def section_cublas_data():
                   f"rel_diff {r['rd']:.1e} norm {r['err']:.1e}")
 
 
+def produce(producer: str, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """The activation a layer is fed: transformers' Llama RMSNorm of `a` (weight `w`), or SiLU(a) x b."""
+    if producer == "norm":
+        h = a.float()
+        return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    return torch.nn.functional.silu(a) * b
+
+
 # ------------------------------------------------------------------------------------------------
 def section_compiledquant():
     from fp8now import Fp8Config, Fp8Linear
@@ -587,11 +596,7 @@ def section_compiledquant():
                 args = (varied(m, k, seed=m, device="cuda"), varied(m, k, seed=m + 1, device="cuda"))
             for name, layer in layers.items():
                 def f(*a, layer=layer):
-                    if producer == "norm":
-                        h = a[0].float()
-                        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
-                        return layer(w * h.to(torch.bfloat16))
-                    return layer(torch.nn.functional.silu(a[0]) * a[1])
+                    return layer(produce(producer, w, *a))
                 for fused in ((True, False) if name != "bf16" else (True,)):
                     triton_fp8.COMPILED_QUANT = {"token": fused, "group": fused}
                     torch._dynamo.reset()
@@ -648,12 +653,7 @@ def section_cqvariants():
             args = (varied(m, k, seed=m, device="cuda"), varied(m, k, seed=m + 1, device="cuda"))
             for name, qf in quants.items():
                 def f(a, b, qf=qf):
-                    if producer == "norm":
-                        h = a.float()
-                        h = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
-                    else:
-                        h = torch.nn.functional.silu(a) * b
-                    return qf(h)
+                    return qf(produce(producer, w, a, b))
                 torch._dynamo.reset()
                 try:
                     comp = torch.compile(f, fullgraph=True)
@@ -725,14 +725,8 @@ def section_decodecfg():
                 return td.decode_linear(q, *wq["block"][i], "block", "group", x_scale=s, counters=cnt[i],
                                         config=cfg, out_dtype=out)
 
-            exact = {}
-            for scheme in ("channel", "block"):   # float64 product of the FP8 operands the kernel sees
-                xq, xs = (tq.quantize_act_token(x) if scheme == "channel" else tq.quantize_act_group(x))
-                wq0, ws0 = wq[scheme][0]
-                if scheme == "block":
-                    xs = xs.double().repeat_interleave(128, dim=1)[:, :k]
-                    ws0 = ws0.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
-                exact[scheme] = (xq.double() * xs.double()) @ (wq0.double() * ws0.double()).t()
+            exact = {"channel": exact_product(*tq.quantize_act_token(x), *wq["channel"][0], "channel"),
+                     "block": exact_product(*tq.quantize_act_group(x), *wq["block"][0], "block")}
             for scheme, call in (("channel", channel), ("block", block)):
                 for ci, cfg in enumerate(configs):
                     if time.time() - t0 > budget:
