@@ -34,7 +34,8 @@ Sections (argv: a comma list, default all):
   M <= 4, as shipped) and block (in-kernel groups at M = 1, pre-quantized above), each config checked
   against the float64 product of its FP8 operands (float32 output, rel < 1e-5), GPU time in CUDA graphs of 8 weight copies. Env
   DCFG_SHAPES (N x K list, default 4096x4096,6144x4096,8192x8192), DCFG_M (default
-  1,4,16), DCFG_BUDGET_S (default 330: stops sweeping, keeps what it has).
+  1,4,16), DCFG_BUDGET_S (default 330: stops sweeping, keeps what it has), DCFG_SPLITS (only the
+  shipped tile at these SPLIT_K values, e.g. 1,2,3,4,6,8).
 
 `PYTHONPATH=src:benchmarks python benchmarks/probe_kernels.py [sections]`
 """
@@ -673,11 +674,15 @@ def section_cqvariants():
 
 
 def decode_configs() -> list[dict]:
-    """The shipped decode config first, then a grid around it (likely candidates early)."""
+    """The shipped decode config first, then a grid around it (likely candidates early); with env
+    DCFG_SPLITS (a list of SPLIT_K values) only the shipped tile shape at those splits."""
     import itertools
 
     from fp8now.kernels.triton_decode import DECODE_CONFIG
     out = [dict(DECODE_CONFIG)]
+    if os.environ.get("DCFG_SPLITS"):
+        return out + [dict(DECODE_CONFIG, SPLIT_K=int(v)) for v in os.environ["DCFG_SPLITS"].split(",")
+                      if dict(DECODE_CONFIG, SPLIT_K=int(v)) not in out]
     # SPLIT_K = 1: no in-kernel reduction (its partial store, ticket and re-read are a serial tail)
     splits = (0, 1, 2, 4, 8, 16)
     grid = [(split, bn, 4, stages) for split, bn, stages in itertools.product(splits, (64, 32, 128, 16), (4, 6))]
