@@ -174,7 +174,8 @@ def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=5, rep_ms=25,
                 try:
                     with torch.no_grad():
                         mod(x)
-                        add(m, n, k, name, bench(lambda: mod(x), warmup_ms, rep_ms))
+                        extra = dict(kernels=kernels_of(lambda: mod(x))) if with_kernels and m >= 1024 else {}
+                        add(m, n, k, name, bench(lambda: mod(x), warmup_ms, rep_ms), **extra)
                 except Exception as e:
                     notes.append(f"{name} M={m} {n}x{k}: {type(e).__name__}: {str(e)[:200]}")
         del layers, peers, compiled, lin_copies, fp8_copies
@@ -227,7 +228,7 @@ if __name__ == "__main__":
     ap.add_argument("--rep-ms", type=int, default=25, help="do_bench time per measurement")
     ap.add_argument("--m-values", default="", help="subset of M, e.g. 1024,4096,16384")
     ap.add_argument("--kernels", action="store_true",
-                    help="record each fp8now row's CUDA kernels (torch.profiler, M >= 1024)")
+                    help="record each fp8now and peer row's CUDA kernels (torch.profiler, M >= 1024)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_linear.py needs a CUDA GPU")
