@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything on the H200. Usage (through the device tool):
-#   bash benchmarks/gpu_session.sh PHASES   with PHASES a comma list of: tune,decode,probe,profile,tests,core,quant,linear,quick,memory,model
+#   bash benchmarks/gpu_session.sh PHASES   with PHASES a comma list of: tune,decode,floor,probe,profile,tests,core,quant,linear,quick,memory,model
 # Results land in $OUT (JSON + logs); the short tables print last.
 set -uo pipefail
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
@@ -25,6 +25,10 @@ fi
 if has decode; then
   timeout 300 env PYTHONPATH=$PYTHONPATH:$PWD/benchmarks python3 benchmarks/bench_decode.py --out "$OUT" \
     ${DECODE_SHAPES:+--shapes $DECODE_SHAPES} 2>&1 | tee "$OUT/bench_decode.log" | tail -75 || rc=1
+fi
+if has floor; then  # FLOOR_SHAPES: N x K list for benchmarks/probe_decode_floor.py
+  timeout 240 env PYTHONPATH=$PYTHONPATH:$PWD/benchmarks OUT="$OUT" python3 benchmarks/probe_decode_floor.py 2>&1 \
+    | tee "$OUT/floor.log" | tail -80 || rc=1
 fi
 if has probe; then  # PROBE: sections of benchmarks/probe_kernels.py (default all)
   timeout 400 env PYTHONPATH=$PYTHONPATH:$PWD/benchmarks python3 benchmarks/probe_kernels.py ${PROBE:-} 2>&1 \

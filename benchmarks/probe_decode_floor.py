@@ -1,0 +1,245 @@
+"""Where the decode kernel's fixed cost goes: floors of M = 1 FP8 calls, measured by leaving parts out.
+
+At 4096 x 4096, M = 1, the decode kernel takes 11.1-11.6 µs per call in a CUDA graph, of which the
+FP8 weight's 16.8 MB account for 3.9 µs at 4.27 TB/s; bf16 `F.linear` streams twice the bytes in about
+the same time (BENCHMARKS.md, "Decode kernel's launch config swept"). This probe times, in CUDA graphs of
+8 calls on 8 weight copies (weights from HBM, not L2), at M = 1:
+- `empty-1` / `empty-grid`: a Triton kernel that does nothing, on 1 program and on the decode
+  kernel's grid: the cost of one graph node and of scheduling the programs;
+- `stream-flat-P`: the FP8 weight read as bytes in P contiguous chunks (P = 1-8 programs per SM),
+  summed: the floor of any Triton kernel that reads this weight;
+- `stream-tile`: the weight read with the decode kernel's tiles and grid (64 columns x 128 K, K split
+  as shipped), summed, no MMA and no split reduction: loads alone;
+- `decode-prequant` / `decode-shipped`: `decode_linear` on pre-quantized rows, and the shipped
+  channel path (Triton quantizer + decode kernel, PDL);
+- `gemv-BNxBK-wW`: a GEMV without tensor cores (per channel, one row, no K split, no reduction tail):
+  each program takes BN output rows over all of K, multiplies in float32 and sums;
+- `cublas-tensorwise`: cuBLAS FP8 `_scaled_mm` on the pre-quantized row (the tensor scheme at M = 1);
+- `bf16`: `F.linear`.
+Every GEMV is checked against the float64 product of its FP8 operands (float32 output, rel < 1e-5);
+each stream kernel's sum against torch's sum of the same bytes (exact).
+
+`PYTHONPATH=src:benchmarks python benchmarks/probe_decode_floor.py` (CUDA; env FLOOR_SHAPES, an N x K
+list; OUT, where floor.json goes). Under TRITON_INTERPRET=1 on CPU, `--check` runs the kernels' checks
+on tiny shapes without timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+SHAPES = [(1024, 4096), (4096, 4096), (6144, 4096), (8192, 8192), (28672, 4096)]
+COPIES = 8
+GEMVS = [(16, 512, 4), (8, 1024, 4), (4, 1024, 4), (8, 512, 2), (32, 256, 4), (16, 1024, 8)]
+
+
+@triton.jit
+def _empty_kernel(out_ptr):
+    if tl.program_id(0) + tl.program_id(1) == 0:
+        tl.store(out_ptr, 1)
+
+
+@triton.jit
+def _stream_flat_kernel(w_ptr, out_ptr, numel, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """out[pid] = sum of the bytes [pid * CHUNK, (pid + 1) * CHUNK) of w (as uint8)."""
+    start = tl.program_id(0).to(tl.int64) * CHUNK
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for i in range(0, CHUNK, BLOCK):
+        idx = start + i + offs
+        acc += tl.load(w_ptr + idx, mask=idx < numel, other=0).to(tl.int32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _stream_tile_kernel(w_ptr, out_ptr, N, K, K_SPLIT, stride_wn, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """The decode kernel's weight loads ([BLOCK_K, BLOCK_N] tiles of its (tile, split) grid), summed."""
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    k_begin = tl.program_id(1) * K_SPLIT
+    k_end = tl.minimum(K, k_begin + K_SPLIT)
+    w_cols = w_ptr + rn.to(tl.int64)[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.int32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        kk = k0 + offs_k
+        acc += tl.load(w_cols + kk[:, None], mask=(kk < k_end)[:, None] & (offs_n < N)[None, :],
+                       other=0).to(tl.int32)
+    tl.store(out_ptr + pid_n * tl.num_programs(1) + tl.program_id(1), tl.sum(tl.sum(acc, axis=1), axis=0))
+
+
+@triton.jit
+def _gemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """y[0, n] = (sum_k x_q[k] w_q[n, k]) * x_s * w_s[n], float32 products and sums, no tensor cores."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = (offs_n % N).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < K
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=k_ok[None, :], other=0.0)
+        x = tl.load(xq_ptr + kk, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1) * (tl.load(xs_ptr) * tl.load(ws_ptr + rn))
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+def stream_flat(w: torch.Tensor, programs: int, out: torch.Tensor, block: int = 4096) -> torch.Tensor:
+    flat = w.view(torch.uint8).reshape(-1)
+    chunk = triton.cdiv(triton.cdiv(flat.numel(), programs), block) * block
+    grid = triton.cdiv(flat.numel(), chunk)
+    _stream_flat_kernel[(grid,)](flat, out, flat.numel(), CHUNK=chunk, BLOCK=block, num_warps=4)
+    return out[:grid]
+
+
+def decode_grid(n: int, k: int, device) -> tuple[int, int, int]:
+    """(column tiles, splits, K per split) of the shipped decode kernel at M = 1."""
+    from fp8now.kernels import triton_decode as td
+    k_split, splits, tiles = td._default_plan(1, n, k, torch.device(device))
+    return tiles, splits, k_split
+
+
+def stream_tile(w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    n, k = w.shape
+    tiles, splits, k_split = decode_grid(n, k, w.device)
+    flat = w.view(torch.uint8)
+    _stream_tile_kernel[(tiles, splits)](flat, out, n, k, k_split, flat.stride(0), BLOCK_N=64,
+                                         BLOCK_K=128, num_warps=4, num_stages=4)
+    return out[:tiles * splits]
+
+
+def gemv(x_q, x_s, w_q, w_s, block_n, block_k, warps, out_dtype=torch.bfloat16):
+    n, k = w_q.shape
+    y = torch.empty((1, n), dtype=out_dtype, device=w_q.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](x_q, x_s, w_q, w_s, y, n, k, w_q.stride(0), BLOCK_N=block_n,
+                                             BLOCK_K=block_k, num_warps=warps)
+    return y
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
+
+
+def operands(n: int, k: int, device: str, seed: int):
+    """A varied bf16 row and weight, quantized per token / per channel as fp8now does."""
+    from fp8now.numerics import quantize_activation, quantize_weight
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 2.0 ** torch.randint(-4, 4, (n, 1), generator=g)).to(device)
+    x = (torch.randn(1, k, generator=g) * 2.0 ** torch.randint(-4, 4, (1, k), generator=g)).to(device)
+    w_q, w_s = quantize_weight(w.to(torch.bfloat16), "channel")
+    x_q, x_s = quantize_activation(x.to(torch.bfloat16), "token")
+    return x.to(torch.bfloat16), w.to(torch.bfloat16), x_q, x_s, w_q, w_s
+
+
+def check(n: int, k: int, device: str, seed: int) -> list[dict]:
+    """Every GEMV config against the float64 product, the stream sums against torch's: failures raise."""
+    _, _, x_q, x_s, w_q, w_s = operands(n, k, device, seed)
+    ref = (x_q.double() * x_s.double()) @ (w_q.double() * w_s.double().reshape(-1, 1)).t()
+    rows = []
+    for bn, bk, warps in GEMVS:
+        err = rel(gemv(x_q, x_s, w_q, w_s, bn, bk, warps, torch.float32), ref)
+        if not err < 1e-5:
+            raise AssertionError(f"gemv {bn}x{bk} w{warps} at {n}x{k}: rel {err:.2e}")
+        rows.append(dict(impl=f"gemv-{bn}x{bk}-w{warps}", N=n, K=k, err=err))
+    total = int(w_q.view(torch.uint8).to(torch.int64).sum())
+    out = torch.zeros(1 << 16, dtype=torch.int32, device=device)
+    for p in (3, 7):
+        got = int(stream_flat(w_q, p, out, block=256).to(torch.int64).sum())
+        if got != total:
+            raise AssertionError(f"stream-flat-{p} at {n}x{k}: {got} != {total}")
+    got = int(stream_tile(w_q, out).to(torch.int64).sum())
+    if got != total:
+        raise AssertionError(f"stream-tile at {n}x{k}: {got} != {total}")
+    return rows
+
+
+def main() -> None:
+    from bench_linear import graph_ms
+    from fp8now.kernels import split_counters, triton_decode as td, triton_quant as tq
+
+    if "--check" in sys.argv:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        for n, k in ((64, 256), (80, 384)):
+            for r in check(n, k, device, seed=n + k):
+                print(r)
+        print("checks passed")
+        return
+    out_path = os.path.join(os.environ.get("OUT", "."), "floor.json")
+    shapes = SHAPES
+    if os.environ.get("FLOOR_SHAPES"):
+        shapes = [tuple(int(v) for v in s.split("x")) for s in os.environ["FLOOR_SHAPES"].split(",")]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows: list[dict] = []
+
+    def add(**r):
+        rows.append(r)
+        with open(out_path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+    for n, k in shapes:
+        rows += check(n, k, "cuda", seed=n + k)
+        x, w, x_q, x_s, w_q, w_s = operands(n, k, "cuda", seed=n + 3 * k)
+        ws = [w.clone() for _ in range(COPIES)]
+        wq = [(w_q.clone(), w_s.clone()) for _ in range(COPIES)]
+        cnt = [split_counters(n, "cuda") for _ in range(COPIES)]
+        sink = [torch.zeros(1 << 16, dtype=torch.int32, device="cuda") for _ in range(COPIES)]
+        tiles, splits, _ = decode_grid(n, k, "cuda")
+        one = torch.ones((), device="cuda")
+        base = dict(N=n, K=k, M=1, weight_mb=n * k / 1e6)
+
+        def timed(impl, make):
+            try:
+                add(impl=impl, us=1e3 * graph_ms(make, COPIES, 5, 30), **base)
+            except Exception as e:  # one variant failing must not cost the rest of the call
+                add(impl=impl, fail=f"{type(e).__name__}: {e}"[:300], **base)
+
+        timed("bf16", lambda i: (lambda: torch.nn.functional.linear(x, ws[i])))
+        timed("empty-1", lambda i: (lambda: _empty_kernel[(1,)](sink[i])))
+        timed("empty-grid", lambda i: (lambda: _empty_kernel[(tiles, splits)](sink[i])))
+        for per_sm in (1, 2, 4, 8):
+            timed(f"stream-flat-{per_sm}x", lambda i, p=per_sm * sms: (lambda: stream_flat(wq[i][0], p, sink[i])))
+        timed("stream-tile", lambda i: (lambda: stream_tile(wq[i][0], sink[i])))
+        timed("decode-prequant", lambda i: (lambda: td.decode_linear(
+            x_q, *wq[i], "channel", "token", x_scale=x_s, counters=cnt[i], out_dtype=torch.bfloat16)))
+
+        def shipped(i):
+            def call():
+                q, s = tq.quantize_act_token(x, early_launch=True)
+                return td.decode_linear(q, *wq[i], "channel", "token", x_scale=s, counters=cnt[i],
+                                        out_dtype=torch.bfloat16, pdl=True)
+            return call
+        timed("decode-shipped", shipped)
+        timed("quantizer", lambda i: (lambda: tq.quantize_act_token(x)))
+        for bn, bk, warps in GEMVS:
+            timed(f"gemv-{bn}x{bk}-w{warps}", lambda i, c=(bn, bk, warps): (lambda: gemv(x_q, x_s, *wq[i], *c)))
+        timed("cublas-tensorwise", lambda i: (lambda: torch._scaled_mm(
+            x_q, wq[i][0].t(), x_s.reshape(()), one, out_dtype=torch.bfloat16)))
+        del ws, wq, cnt
+        torch.cuda.empty_cache()
+        print(f"{n}x{k} done", file=sys.stderr, flush=True)
+
+    print("\n== decode floor, M = 1: graph µs per call (8 weight copies); x = bf16 / this")
+    bf = {(r["N"], r["K"]): r["us"] for r in rows if r.get("impl") == "bf16" and "us" in r}
+    for r in rows:
+        if "us" in r and r["impl"] != "bf16":
+            b = bf.get((r["N"], r["K"]))
+            print(f"{r['N']:>6} {r['K']:>6} {r['impl']:22} {r['us']:7.1f} {b / r['us'] if b else 0:5.2f}x "
+                  f"{r['weight_mb'] / r['us']:5.2f} TB/s of FP8 weight")
+        elif "fail" in r:
+            print(f"{r['N']:>6} {r['K']:>6} {r['impl']:22} FAILED {r['fail'][:100]}")
+    for (n, k), us in bf.items():
+        print(f"{n:>6} {k:>6} {'bf16':22} {us:7.1f}  {2 * n * k / 1e6 / us:5.2f} TB/s of bf16 weight")
+
+
+if __name__ == "__main__":
+    main()
