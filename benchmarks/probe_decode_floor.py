@@ -1,27 +1,27 @@
-"""Where the decode kernel's fixed cost goes: floors of M = 1 FP8 calls, measured by leaving parts out.
+"""Where the decode kernel's fixed cost goes, and the M = 1 GEMV that replaced it for channel.
 
-At 4096 x 4096, M = 1, the decode kernel takes 11.1-11.6 µs per call in a CUDA graph, of which the
-FP8 weight's 16.8 MB account for 3.9 µs at 4.27 TB/s; bf16 `F.linear` streams twice the bytes in about
-the same time (BENCHMARKS.md, "Decode kernel's launch config swept"). This probe times, in CUDA graphs of
-8 calls on 8 weight copies (weights from HBM, not L2), at M = 1:
-- `empty-1` / `empty-grid`: a Triton kernel that does nothing, on 1 program and on the decode
-  kernel's grid: the cost of one graph node and of scheduling the programs;
-- `stream-flat-P`: the FP8 weight read as bytes in P contiguous chunks (P = 1-8 programs per SM),
-  summed: the floor of any Triton kernel that reads this weight;
-- `stream-tile`: the weight read with the decode kernel's tiles and grid (64 columns x 128 K, K split
-  as shipped), summed, no MMA and no split reduction: loads alone;
-- `decode-prequant` / `decode-shipped`: `decode_linear` on pre-quantized rows, and the shipped
-  channel path (Triton quantizer + decode kernel, PDL);
-- `gemv-BNxBK-wW`: a GEMV without tensor cores (per channel, one row, no K split, no reduction tail):
-  each program takes BN output rows over all of K, multiplies in float32 and sums;
-- `cublas-tensorwise`: cuBLAS FP8 `_scaled_mm` on the pre-quantized row (the tensor scheme at M = 1);
+At 4096 x 4096, M = 1, the split-K decode kernel took 11.1-11.6 µs per call in a CUDA graph, of
+which the FP8 weight's 16.8 MB account for 3.9 µs at 4.27 TB/s (BENCHMARKS.md, "Decode kernel's
+launch config swept"). This probe times, in CUDA graphs of 8 calls on 8 weight copies (weights from
+HBM, not L2), at M = 1:
+- floors: `empty-1` / `empty-grid`, a Triton kernel that does nothing on 1 program and on the decode
+  kernel's grid; `stream-flat-Px`, the FP8 weight read as bytes in P contiguous chunks per SM and
+  summed (any Triton kernel reading this weight); `stream-tile`, the weight read with the decode
+  kernel's tiles and grid, no MMA, no split reduction; `quantizer-token` / `-group` alone;
+- the layer as `triton_fp8.linear` dispatches it, per scheme, with `GEMV_M1` off (`<scheme>-decode`:
+  the decode kernel, cuBLAS tensorwise for tensor, the fused or split-K block paths) and on
+  (`<scheme>-gemv`), after checking that both give the same output (SPEC's rel_diff < 1e-4; the runs
+  of 2026-12-04 used the norm-relative error instead, < 1e-4 except tensor, whose cuBLAS path
+  rounds its bf16 output differently: ~1e-3 in that norm, rel_diff ~5e-7);
+- `decode-prequant` / `cublas-tensorwise-prequant`: the decode kernel and cuBLAS on the FP8 row;
+- `gemv-BNxBK-wW`: `triton_gemv` on the FP8 row at 6 launch configs (each checked against the
+  float64 product of its FP8 operands, float32 output, rel < 1e-5); `channel-gemv-nopdl`; and
+  `block-gemv-BNxBK` (group quantizer + the GEMV as a programmatic dependent launch);
 - `bf16`: `F.linear`.
-Every GEMV is checked against the float64 product of its FP8 operands (float32 output, rel < 1e-5);
-each stream kernel's sum against torch's sum of the same bytes (exact).
 
 `PYTHONPATH=src:benchmarks python benchmarks/probe_decode_floor.py` (CUDA; env FLOOR_SHAPES, an N x K
-list; OUT, where floor.json goes). Under TRITON_INTERPRET=1 on CPU, `--check` runs the kernels' checks
-on tiny shapes without timing.
+list; OUT, where floor.json goes). `--check` runs only the kernels' checks on tiny shapes (on CPU
+under TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
-SHAPES = [(1024, 4096), (4096, 4096), (6144, 4096), (8192, 8192), (28672, 4096)]
+SHAPES = [(1024, 4096), (4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (8192, 8192), (57344, 8192),
+          (8192, 28672)]
 COPIES = 8
+ACT = {"tensor": "token", "channel": "token", "block": "group"}
 GEMVS = [(16, 512, 4), (8, 1024, 4), (4, 1024, 4), (8, 512, 2), (32, 256, 4), (16, 1024, 8)]
 
 
@@ -76,24 +78,6 @@ def _stream_tile_kernel(w_ptr, out_ptr, N, K, K_SPLIT, stride_wn, BLOCK_N: tl.co
     tl.store(out_ptr + pid_n * tl.num_programs(1) + tl.program_id(1), tl.sum(tl.sum(acc, axis=1), axis=0))
 
 
-@triton.jit
-def _gemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """y[0, n] = (sum_k x_q[k] w_q[n, k]) * x_s * w_s[n], float32 products and sums, no tensor cores."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn = (offs_n % N).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        k_ok = kk < K
-        w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=k_ok[None, :], other=0.0)
-        x = tl.load(xq_ptr + kk, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1) * (tl.load(xs_ptr) * tl.load(ws_ptr + rn))
-    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
-
-
 def stream_flat(w: torch.Tensor, programs: int, out: torch.Tensor, block: int = 4096) -> torch.Tensor:
     flat = w.view(torch.uint8).reshape(-1)
     chunk = triton.cdiv(triton.cdiv(flat.numel(), programs), block) * block
@@ -119,11 +103,10 @@ def stream_tile(w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def gemv(x_q, x_s, w_q, w_s, block_n, block_k, warps, out_dtype=torch.bfloat16):
-    n, k = w_q.shape
-    y = torch.empty((1, n), dtype=out_dtype, device=w_q.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](x_q, x_s, w_q, w_s, y, n, k, w_q.stride(0), BLOCK_N=block_n,
-                                             BLOCK_K=block_k, num_warps=warps)
-    return y
+    """The shipped GEMV (per token / per channel, pre-quantized row) at one launch config."""
+    from fp8now.kernels import triton_gemv as tv
+    return tv.gemv(x_q, w_q, w_s, "channel", x_scale=x_s, out_dtype=out_dtype,
+                   config=dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps))
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -153,7 +136,7 @@ def check(n: int, k: int, device: str, seed: int) -> list[dict]:
         rows.append(dict(impl=f"gemv-{bn}x{bk}-w{warps}", N=n, K=k, err=err))
     total = int(w_q.view(torch.uint8).to(torch.int64).sum())
     out = torch.zeros(1 << 16, dtype=torch.int32, device=device)
-    for p in (3, 7):
+    for p in (3 + w_q.numel() // (1 << 22), 7 + w_q.numel() // (1 << 22)):   # chunks < 4 MB: no int32 overflow
         got = int(stream_flat(w_q, p, out, block=256).to(torch.int64).sum())
         if got != total:
             raise AssertionError(f"stream-flat-{p} at {n}x{k}: {got} != {total}")
@@ -165,8 +148,20 @@ def check(n: int, k: int, device: str, seed: int) -> list[dict]:
 
 def main() -> None:
     from bench_linear import graph_ms
-    from fp8now.kernels import split_counters, triton_decode as td, triton_quant as tq
+    from fp8now.config import Scheme
+    from fp8now.kernels import split_counters, triton_decode as td, triton_fp8 as tf, triton_gemv as tv
+    from fp8now.kernels import triton_quant as tq
+    from fp8now.numerics import quantize_weight, rel_diff
 
+    def gemv_token(x, wq, pdl):
+        q, s = tq.quantize_act_token(x, early_launch=pdl)
+        return tv.gemv(q, *wq, "channel", x_scale=s, out_dtype=x.dtype, pdl=pdl)
+
+    def gemv_group(x, wq, config):
+        q, s = tq.quantize_act_group(x, early_launch=True)
+        return tv.gemv(q, *wq, "block", x_scale=s, out_dtype=x.dtype, config=config, pdl=True)
+
+    GEMV_SHIPPED = dict(tf.GEMV_M1)
     if "--check" in sys.argv:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         for n, k in ((64, 256), (80, 384)):
@@ -190,40 +185,66 @@ def main() -> None:
         rows += check(n, k, "cuda", seed=n + k)
         x, w, x_q, x_s, w_q, w_s = operands(n, k, "cuda", seed=n + 3 * k)
         ws = [w.clone() for _ in range(COPIES)]
-        wq = [(w_q.clone(), w_s.clone()) for _ in range(COPIES)]
+        wq = {sch: [tuple(t.clone() for t in quantize_weight(w, sch)) for _ in range(COPIES)]
+              for sch in ("tensor", "channel", "block")}
         cnt = [split_counters(n, "cuda") for _ in range(COPIES)]
         sink = [torch.zeros(1 << 16, dtype=torch.int32, device="cuda") for _ in range(COPIES)]
         tiles, splits, _ = decode_grid(n, k, "cuda")
-        one = torch.ones((), device="cuda")
         base = dict(N=n, K=k, M=1, weight_mb=n * k / 1e6)
 
-        def timed(impl, make):
+        def timed(impl, make, gemv_m1=None):
+            """GPU µs per call of make(i)() (weight copy i), with triton_fp8.GEMV_M1 set while capturing."""
+            saved = dict(tf.GEMV_M1)
             try:
+                if gemv_m1 is not None:
+                    tf.GEMV_M1.clear()
+                    tf.GEMV_M1.update(gemv_m1)
                 add(impl=impl, us=1e3 * graph_ms(make, COPIES, 5, 30), **base)
             except Exception as e:  # one variant failing must not cost the rest of the call
                 add(impl=impl, fail=f"{type(e).__name__}: {e}"[:300], **base)
+            finally:
+                tf.GEMV_M1.clear()
+                tf.GEMV_M1.update(saved)
+
+        def layer(sch, i):   # the triton backend's call, as Fp8Linear makes it
+            return lambda: tf.linear(x, *wq[sch][i], None, Scheme(sch), ACT[sch], counters=cnt[i])
 
         timed("bf16", lambda i: (lambda: torch.nn.functional.linear(x, ws[i])))
+        # floors
         timed("empty-1", lambda i: (lambda: _empty_kernel[(1,)](sink[i])))
         timed("empty-grid", lambda i: (lambda: _empty_kernel[(tiles, splits)](sink[i])))
-        for per_sm in (1, 2, 4, 8):
-            timed(f"stream-flat-{per_sm}x", lambda i, p=per_sm * sms: (lambda: stream_flat(wq[i][0], p, sink[i])))
-        timed("stream-tile", lambda i: (lambda: stream_tile(wq[i][0], sink[i])))
+        for per_sm in (2, 4, 8):
+            timed(f"stream-flat-{per_sm}x", lambda i, p=per_sm * sms: (
+                lambda: stream_flat(wq["channel"][i][0], p, sink[i])))
+        timed("stream-tile", lambda i: (lambda: stream_tile(wq["channel"][i][0], sink[i])))
+        timed("quantizer-token", lambda i: (lambda: tq.quantize_act_token(x)))
+        timed("quantizer-group", lambda i: (lambda: tq.quantize_act_group(x)))
+        # the layer as dispatched: split-K decode paths (GEMV off) against the GEMV; first their outputs
+        for sch in ("tensor", "channel", "block"):
+            outs = []
+            for table in ({}, {sch: 1 << 62}):
+                tf.GEMV_M1.clear()
+                tf.GEMV_M1.update(table)
+                outs.append(layer(sch, 0)().float())
+            tf.GEMV_M1.clear()
+            tf.GEMV_M1.update(GEMV_SHIPPED)
+            err = rel_diff(outs[1], outs[0])   # SPEC's metric; both bf16 outputs of the same FP8 operands
+            add(impl=f"{sch}-gemv-vs-decode", rel_diff=err, ok=err < 1e-4, **base)
+        for sch in ("tensor", "channel", "block"):
+            timed(f"{sch}-decode", lambda i, sch=sch: layer(sch, i), gemv_m1={})
+            timed(f"{sch}-gemv", lambda i, sch=sch: layer(sch, i), gemv_m1={sch: 1 << 62})
         timed("decode-prequant", lambda i: (lambda: td.decode_linear(
-            x_q, *wq[i], "channel", "token", x_scale=x_s, counters=cnt[i], out_dtype=torch.bfloat16)))
-
-        def shipped(i):
-            def call():
-                q, s = tq.quantize_act_token(x, early_launch=True)
-                return td.decode_linear(q, *wq[i], "channel", "token", x_scale=s, counters=cnt[i],
-                                        out_dtype=torch.bfloat16, pdl=True)
-            return call
-        timed("decode-shipped", shipped)
-        timed("quantizer", lambda i: (lambda: tq.quantize_act_token(x)))
+            x_q, *wq["channel"][i], "channel", "token", x_scale=x_s, counters=cnt[i], out_dtype=torch.bfloat16)))
+        timed("cublas-tensorwise-prequant", lambda i: (lambda: torch._scaled_mm(
+            x_q, wq["tensor"][i][0].t(), x_s.reshape(()), wq["tensor"][i][1].reshape(()), out_dtype=torch.bfloat16)))
+        # GEMV variants: launch configs on the FP8 row; block quantizing in-kernel or fed by the quantizer
         for bn, bk, warps in GEMVS:
-            timed(f"gemv-{bn}x{bk}-w{warps}", lambda i, c=(bn, bk, warps): (lambda: gemv(x_q, x_s, *wq[i], *c)))
-        timed("cublas-tensorwise", lambda i: (lambda: torch._scaled_mm(
-            x_q, wq[i][0].t(), x_s.reshape(()), one, out_dtype=torch.bfloat16)))
+            timed(f"gemv-{bn}x{bk}-w{warps}", lambda i, c=(bn, bk, warps): (
+                lambda: gemv(x_q, x_s, *wq["channel"][i], *c)))
+        timed("channel-gemv-nopdl", lambda i: (lambda: gemv_token(x, wq["channel"][i], pdl=False)))
+        for bn, bk in ((4, 1024), (8, 1024), (16, 512), (8, 512)):
+            timed(f"block-gemv-{bn}x{bk}", lambda i, c=dict(BLOCK_N=bn, BLOCK_K=bk): (
+                lambda: gemv_group(x, wq["block"][i], c)))
         del ws, wq, cnt
         torch.cuda.empty_cache()
         print(f"{n}x{k} done", file=sys.stderr, flush=True)
@@ -235,6 +256,9 @@ def main() -> None:
             b = bf.get((r["N"], r["K"]))
             print(f"{r['N']:>6} {r['K']:>6} {r['impl']:22} {r['us']:7.1f} {b / r['us'] if b else 0:5.2f}x "
                   f"{r['weight_mb'] / r['us']:5.2f} TB/s of FP8 weight")
+        elif "ok" in r:
+            verdict = "ok" if r["ok"] else "MISMATCH"
+            print(f"{r['N']:>6} {r['K']:>6} {r['impl']:22} rel_diff {r['rel_diff']:.1e} {verdict}")
         elif "fail" in r:
             print(f"{r['N']:>6} {r['K']:>6} {r['impl']:22} FAILED {r['fail'][:100]}")
     for (n, k), us in bf.items():

@@ -21,7 +21,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fp8now.kernels import triton_decode as td, triton_gemm as tg, triton_quant as tq  # noqa: E402
+from fp8now.kernels import triton_decode as td, triton_gemm as tg, triton_gemv as tv, triton_quant as tq  # noqa: E402
 from fp8now.numerics import E4M3FN, GROUP_AMAX_FLOOR  # noqa: E402
 
 FP8, F32, BF16, I32 = "*fp8e4nv", "*fp32", "*bf16", "*i32"
@@ -68,11 +68,18 @@ def main():
         compile_one(f"row_quant single={single} bk={block_k} early={early}", tq._row_quant_kernel, q,
                     dict(FMAX=E4M3FN.fmax, FLOOR=E4M3FN.min_scale, BLOCK_M=block_m, BLOCK_K=block_k,
                          SINGLE=single, EARLY=early), dict(num_warps=warps))
-    for m, n_groups, col in [(1, 32, False), (4096, 112, False), (4096, 112, True), (3, 1, True)]:
+    for m, n_groups, col, early in [(1, 32, False, False), (4096, 112, False, False), (4096, 112, True, False),
+                                    (3, 1, True, False), (1, 32, False, True)]:
         block_m, groups, warps = tq._group_plan(m, n_groups, col)
-        compile_one(f"group_quant bm={block_m} g={groups}", tq._group_quant_kernel, q,
-                    dict(FMAX=E4M3FN.fmax, FLOOR=GROUP_AMAX_FLOOR, BLOCK_M=block_m, GROUPS=groups, GROUP_K=128),
-                    dict(num_warps=warps))
+        compile_one(f"group_quant bm={block_m} g={groups} early={early}", tq._group_quant_kernel, q,
+                    dict(FMAX=E4M3FN.fmax, FLOOR=GROUP_AMAX_FLOOR, BLOCK_M=block_m, GROUPS=groups, GROUP_K=128,
+                         EARLY=early), dict(num_warps=warps))
+    gv = tv.GEMV_CONFIG
+    for group, pdl in [(False, False), (False, True), (True, True)]:
+        compile_one(f"gemv group={group} pdl={pdl}", tv._gemv_kernel,
+                    dict(x_ptr=FP8, xs_ptr=F32, w_ptr=FP8, ws_ptr=F32, b_ptr=F32, y_ptr=BF16),
+                    dict(ACT_GROUP=group, HAS_BIAS=True, BLOCK_N=gv["BLOCK_N"], BLOCK_K=gv["BLOCK_K"], PDL=pdl),
+                    dict(num_warps=gv["num_warps"], launch_pdl=pdl))
     compile_one("amax", tq._amax_kernel, dict(x_ptr=BF16, amax_ptr=I32),
                 dict(BLOCK_M=8, BLOCK_K=1024, K_ITERS=8), dict(num_warps=16))
     compile_one("tensor_quant", tq._tensor_quant_kernel, dict(x_ptr=BF16, q_ptr=FP8, amax_ptr=I32, s_ptr=F32),

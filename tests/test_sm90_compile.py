@@ -1,7 +1,7 @@
 """Every Triton kernel compiles for sm_90 (and W8A16 for sm_80) with Triton's real compiler on this
 CPU machine, in a subprocess without TRITON_INTERPRET (tests/sm90_compile.py). The GPU-only
-branches come out as intended: the PDL decode kernel waits on the grid dependency and only it, the
-early-launch quantizer signals, and the prefill GEMM tiles use Hopper's wgmma."""
+branches come out as intended: the PDL decode kernel and GEMV wait on the grid dependency and only
+they, the early-launch quantizers signal, and the prefill GEMM tiles use Hopper's wgmma."""
 
 import json
 import os
@@ -32,8 +32,10 @@ def test_every_kernel_compiles(compiled):
 
 def test_pdl_only_where_asked(compiled):
     for name, r in compiled.items():
-        assert r["gdc_wait"] == (name == "decode group=False quant=False pdl=True"), name
-        assert r["gdc_launch"] == (name == "row_quant single=True bk=4096 early=True"), name
+        assert r["gdc_wait"] == (name in ("decode group=False quant=False pdl=True", "gemv group=False pdl=True",
+                                          "gemv group=True pdl=True")), name
+        assert r["gdc_launch"] == (name in ("row_quant single=True bk=4096 early=True",
+                                            "group_quant bm=1 g=16 early=True")), name
 
 
 def test_gemms_use_tensor_cores(compiled):

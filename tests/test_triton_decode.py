@@ -140,13 +140,15 @@ def test_decode_rejects_bad_inputs():
 
 @pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])
 @pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("fused_max_n", [0, 4096])
-def test_triton_backend_decode_dispatch(scheme, m, fused_max_n, monkeypatch):
-    """The triton backend's decode branches (quantizer + decode kernel; block at M=1 fused or not),
-    called directly (on CPU the backend itself refuses to be picked, the interpreter runs its kernels)."""
+@pytest.mark.parametrize("fused_max_n,gemv", [(0, False), (4096, False), (0, True)])
+def test_triton_backend_decode_dispatch(scheme, m, fused_max_n, gemv, monkeypatch):
+    """The triton backend's decode branches (quantizer + decode kernel; block at M=1 fused or not;
+    the M = 1 GEMV for every scheme), called directly (on CPU the backend itself refuses to be picked,
+    the interpreter runs its kernels)."""
     from fp8now.config import Scheme
     from fp8now.kernels import triton_fp8
     monkeypatch.setattr(triton_fp8, "FUSED_BLOCK_MAX_N", fused_max_n)
+    monkeypatch.setattr(triton_fp8, "GEMV_M1", {s: (1 << 62) * gemv for s in ("tensor", "channel", "block")})
     act = "group" if scheme == "block" else "token"
     x, w_q, w_s, b = _operands(m, 160, 1024, scheme, seed=31 + m)   # K=1024: auto-split in two
     counters = split_counters(160, DEV)

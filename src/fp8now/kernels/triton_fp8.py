@@ -2,17 +2,21 @@
 
 Per call, by M (the thresholds are the dispatch data, measured on the H200, BENCHMARKS.md):
 - decode, M <= triton_decode.MAX_M (16), GPU time in CUDA graphs (benchmarks/bench_decode.py, H200):
+  - M = 1, where GEMV_M1 says so (channel always; tensor up to N = 6144): the Triton per-token
+    quantizer, then `triton_gemv.gemv`, CUDA-core products with no K split and no reduction tail,
+    as a programmatic dependent launch (benchmarks/probe_decode_floor.py: channel at 4096 x 4096
+    9.7 against 11.5 µs for the decode kernel path below, 1.50x bf16 against 1.26x).
   - tensor / channel: the Triton per-token quantizer, then `triton_decode.decode_linear` on the FP8
     rows, a split-K GEMM that reduces its own splits (two launches; the same GPU time as quantizer +
     split-K GEMM + reduce kernel: 0.97-1.07x faster over the 42 tensor and channel rows; quantizing
     inside the kernel lost almost everywhere: every program first reads its rows over all of K).
     At M <= PDL_MAX_M the decode kernel is a programmatic dependent launch (sm_90): it starts while
     the quantizer runs (1.01-1.08x faster over the 12 measured rows at M = 1 and 4, mixed at 16).
-  - tensor, M = 1 (TENSORWISE_M1): one row's per-token scale is a per-tensor scale, so the Triton
-    quantizer, then cuBLAS tensorwise `_scaled_mm` with both scales 0-d. GPU time in CUDA graphs
-    against the quantizer + decode kernel (probe_kernels.py m1cublas, H200): 1.05-1.21x faster on 6
-    of the 7 benchmark shapes (57344 x 8192: 116.5 vs 139.2 µs), 0.97x on 4096 x 14336. Rowwise
-    cuBLAS at M = 1 (channel) is slower than the decode kernel on every shape (0.55-0.87x).
+  - tensor, M = 1 above GEMV_M1's N (TENSORWISE_M1): one row's per-token scale is a per-tensor
+    scale, so the Triton quantizer, then cuBLAS tensorwise `_scaled_mm` with both scales 0-d
+    (1.05-1.21x faster than the decode kernel on 6 of the 7 benchmark shapes, probe_kernels.py
+    m1cublas; 57344 x 8192: 116.5 vs 139.2 µs). Rowwise cuBLAS at M = 1 (channel) is slower than the
+    decode kernel on every shape (0.55-0.87x).
   - block, M = 1 and N <= FUSED_BLOCK_MAX_N: `decode_linear` quantizing the 1x128 groups itself
     (one launch; 1.03-1.12x faster than the three-launch path at N <= 8192, 0.84-0.95x at N >= 28672).
   - block otherwise: the Triton group quantizer, then the split-K Triton block GEMM (its reduce
@@ -42,12 +46,18 @@ import torch
 
 from ..config import Scheme
 from .. import numerics
-from . import torch_mm, triton_decode, triton_gemm, triton_quant
+from . import torch_mm, triton_decode, triton_gemm, triton_gemv, triton_quant
 
 TRITON_MAX_M = {"rowwise": 64, "block": 32}   # at or below: the Triton GEMMs (split-K for decode)
 FUSED_BLOCK_MAX_N = 8192  # block, M = 1: quantize inside the decode kernel up to this many outputs
 PDL_MAX_M = 4             # tensor / channel decode: programmatic dependent launch up to this M
 TENSORWISE_M1 = True      # tensor scheme, M = 1: cuBLAS tensorwise instead of the decode kernel
+# M = 1: the Triton quantizer, then the CUDA-core GEMV (triton_gemv) for layers of up to this many
+# outputs N (0: never). H200, GPU time in graphs (BENCHMARKS.md, "Decode at M = 1: a GEMV"): channel
+# 1.08-1.19x faster than the decode kernel path on all 8 shapes; tensor faster than cuBLAS tensorwise
+# up to N = 6144 (1024 x 4096: 7.0 vs 15.5 µs), a tie at N = 8192, slower at N >= 28672 (37.2 vs
+# 33.6 µs); block from 19% slower to 6% faster than its decode paths, so block keeps them.
+GEMV_M1 = {"tensor": 6144, "channel": 1 << 62, "block": 0}
 BLOCK_GEMM = "torch"    # "torch" (blockwise F.scaled_mm) or "triton" above TRITON_MAX_M["block"]
 # Under torch.compile, per activation kind: quantize with numerics' torch ops, which inductor fuses
 # into the producing kernel, instead of the Triton quantizer. "group" is off. Behind SiLU x up
@@ -80,12 +90,13 @@ def _token(x: torch.Tensor, early_launch: bool = False) -> tuple[torch.Tensor, t
     return triton_quant.quantize_act_token(x, early_launch=early_launch)
 
 
-def _group(x: torch.Tensor, col_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _group(x: torch.Tensor, col_major: bool = False, early_launch: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128-group FP8 and [M, K/128] scales (strides (1, M) if `col_major`), the same way."""
     if COMPILED_QUANT["group"] and torch.compiler.is_compiling():
         q, s = numerics.quantize_activation(x, "group")
         return q, (s.t().contiguous().t() if col_major else s)
-    return triton_quant.quantize_act_group(x, col_major=col_major)
+    return triton_quant.quantize_act_group(x, col_major=col_major, early_launch=early_launch)
 
 
 def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -94,6 +105,10 @@ def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torc
     """y [M, N] = quantize(x [M, K]) @ W.T + bias in x.dtype; `counters`: the layer's split-K counters."""
     m = x.shape[0]
     if m <= triton_decode.MAX_M and not batch_invariant:
+        if m == 1 and w_q.shape[0] <= GEMV_M1.get(scheme.value, 0):
+            x_q, x_s = _group(x, early_launch=True) if scheme is Scheme.BLOCK else _token(x, early_launch=True)
+            return triton_gemv.gemv(x_q, w_q, w_scale, scheme.value, bias, x_scale=x_s, out_dtype=x.dtype,
+                                    pdl=True)
         if scheme is Scheme.TENSOR and m == 1 and TENSORWISE_M1:
             x_q, x_s = _token(x)
             return torch_mm.rowwise_mm(x_q, x_s.reshape(()), w_q, w_scale.reshape(()), bias, x.dtype)

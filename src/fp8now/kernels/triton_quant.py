@@ -197,7 +197,10 @@ def quantize_act_token(x: torch.Tensor, fmt: Fp8Format = E4M3FN, *, early_launch
 @triton.jit
 def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg,
                         FMAX: tl.constexpr, FLOOR: tl.constexpr,
-                        BLOCK_M: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
+                        EARLY: tl.constexpr):
+    if EARLY:  # let a programmatic dependent launch of the next kernel start now (sm_90+)
+        gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     row_ok = rows < M
@@ -216,12 +219,13 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_
              mask=row_ok[:, None] & (groups < n_groups)[None, :])
 
 
-def quantize_act_group(x: torch.Tensor, col_major: bool = False, fmt: Fp8Format = E4M3FN
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act_group(x: torch.Tensor, col_major: bool = False, fmt: Fp8Format = E4M3FN, *,
+                       early_launch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-1x128-group FP8: `x [..., K]` -> `(q [M, K], s [M, ceil(K/128)])`, rule "group".
 
     `col_major=True` returns the same scale values with strides (1, M) (storage [ceil(K/128), M],
-    transposed), the layout torch's blockwise `_scaled_mm` expects.
+    transposed), the layout torch's blockwise `_scaled_mm` expects. `early_launch`: as for
+    `quantize_act_token`.
     """
     x2 = _rows(x, "quantize_act_group")
     M, K = x2.shape
@@ -238,7 +242,7 @@ def quantize_act_group(x: torch.Tensor, col_major: bool = False, fmt: Fp8Format 
     _group_quant_kernel[grid](
         x2, q, s, M, K, x2.stride(0), q.stride(0), s.stride(0), s.stride(1),
         FMAX=fmt.fmax, FLOOR=GROUP_AMAX_FLOOR, BLOCK_M=block_m, GROUPS=groups, GROUP_K=GROUP,
-        num_warps=warps)
+        EARLY=early_launch and sm90(x2.device) and not torch.compiler.is_compiling(), num_warps=warps)
     return q, s
 
 

@@ -1,0 +1,139 @@
+"""FP8 GEMV for one token (M = 1): CUDA-core products, no tensor cores, no K split, no reduction tail.
+
+At M = 1 a layer call only has to stream its FP8 weight once. The split-K decode kernel
+(`triton_decode`) feeds a 16-row MMA tile with one real row and adds its K splits through a workspace,
+a ticket and a re-read: a serial tail on every call. This kernel gives each program BLOCK_N whole
+weight rows over all of K (contiguous 1 KB loads per row), multiplies them by the activation row in
+float32 (FP8 x FP8 products are exact in float32) and sums, so nothing is written but the output.
+The activation comes pre-quantized from the Triton quantizer, launched with `early_launch` so that this
+kernel (a programmatic dependent launch) starts while it runs. H200, M = 1, CUDA graphs of 8 weight
+copies (benchmarks/probe_decode_floor.py, BENCHMARKS.md "Decode at M = 1: a GEMV"): on the FP8 row
+8.3 µs at 4096 x 4096 against 10.2 µs for the split-K decode kernel, where a Triton kernel that
+only reads the weight takes 7.4 µs. The dispatch (`triton_fp8.GEMV_M1`) uses it for channel and
+small tensor layers; for block it measured 19% slower to 6% faster than the decode paths, so
+block stays there unless the table is changed. Quantizing inside this kernel lost: every program
+quantized the whole row again (block at 4096 x 4096: 14.0 µs).
+
+Numerics (SPEC §4): float32 products and sums.
+- tensor / channel: y = (sum_k x_q[k] w_q[n, k]) * s_x * s_w[n].
+- block: y = sum_k w_q[n, k] * (x_q[k] * (s_x[g] * s_w[n/128, g])) with g = k / 128: the scale of
+  each K-block is applied to its activation values before their products, not to their partial
+  sum (the same float32 operations in another order: rounding-level differences, far inside
+  SPEC's rel_diff < 1e-4; it keeps the inner loop elementwise).
+No host synchronization: captures in CUDA graphs, runs under torch.compile.
+"""
+
+import torch
+
+from . import triton_gemm as tg
+from .triton_support import sm90
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:  # triton_gemm's stand-ins keep the definitions parseable; available() says why
+    triton, tl = tg.triton, tg.tl
+    gdc_wait = None
+
+# 4 weight rows per program, 1024 of K per step, 4 warps: of 6 configs on the FP8 row (H200,
+# probe_decode_floor.py), the fastest at 4 of the 8 shapes and within 4% of the fastest at the others.
+GEMV_CONFIG = dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4)
+W_KINDS = ("tensor", "channel", "block")
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_wsn, stride_wsk,
+                 stride_xsk, ACT_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = (offs_n % N).to(tl.int64)          # rows past N wrap onto real ones (the store masks them)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rn[:, None] * stride_wn
+    # block: every row of this program lies in one 128-row weight tile (BLOCK_N divides 128)
+    sw_tile = ws_ptr + ((tl.program_id(0) * BLOCK_N) // 128).to(tl.int64) * stride_wsn
+    if PDL:  # launched early (programmatic dependent launch): wait for the quantizer's writes
+        gdc_wait()
+    if ACT_GROUP:  # [rows, groups, 128]: each FP8 activation value times s_x[g] * s_w[tile, g]
+        G: tl.constexpr = BLOCK_K // 128
+        offs_g = tl.arange(0, G)
+        offs_t = tl.arange(0, 128)
+        w_rows3 = (w_ptr + rn * stride_wn)[:, None, None]
+        acc3 = tl.zeros((BLOCK_N, G, 128), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            gk = k0 // 128 + offs_g                                                              # [G]
+            g_ok = gk < K // 128
+            kk = gk[:, None] * 128 + offs_t[None, :]                                             # [G, 128]
+            w = tl.load(w_rows3 + kk[None, :, :], mask=g_ok[None, :, None], other=0.0)           # [BN, G, 128]
+            c = (tl.load(xs_ptr + gk * stride_xsk, mask=g_ok, other=0.0)
+                 * tl.load(sw_tile + gk * stride_wsk, mask=g_ok, other=0.0))
+            xk = tl.load(x_ptr + kk, mask=g_ok[:, None], other=0.0).to(tl.float32) * c[:, None]
+            acc3 += w.to(tl.float32) * xk[None, :, :]
+        acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
+    else:
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            k_ok = kk < K
+            w = tl.load(w_rows + kk[None, :], mask=k_ok[None, :], other=0.0)                    # [BN, BK]
+            xk = tl.load(x_ptr + kk, mask=k_ok, other=0.0)                                      # [BK]
+            acc2 += w.to(tl.float32) * xk.to(tl.float32)[None, :]
+        acc = tl.sum(acc2, axis=1) * (tl.load(xs_ptr) * tl.load(ws_ptr + rn * stride_wsn))
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn).to(tl.float32)
+    tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+def gemv(x_q: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind: str,
+         bias: torch.Tensor | None = None, *, x_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+         config: dict | None = None, pdl: bool = False) -> torch.Tensor:
+    """y [1, N] = dequant(x_q [1, K]) @ dequant(W).T (+ bias) for one token, in `out_dtype`.
+
+    w_kind "tensor" (w_s 0-d / [1]) or "channel" (w_s [N, 1]) with the per-token scale `x_scale` (one
+    value); w_kind "block" (w_s [ceil(N/128), K/128], K % 128 == 0) with the 1x128-group scales
+    `x_scale` [1, K/128] (any strides). `pdl` (sm_90; ignored elsewhere and under torch.compile):
+    launch as a programmatic dependent of the previous kernel (pair it with the quantizer's
+    `early_launch=True`).
+    """
+    tg._require_triton()
+    if w_kind not in W_KINDS:
+        raise ValueError(f"w_kind must be one of {W_KINDS}, got {w_kind!r}")
+    if w_q.dim() != 2 or w_q.dtype != tg.FP8_DTYPE or w_q.stride(1) != 1:
+        raise ValueError(f"w_q must be a 2-D {tg.FP8_DTYPE} tensor, contiguous along K; got {w_q.dtype} "
+                         f"{tuple(w_q.shape)} strides {w_q.stride()}")
+    N, K = w_q.shape
+    if x_q.dtype != tg.FP8_DTYPE or x_q.shape[-1] != K:
+        raise ValueError(f"x_q must be the pre-quantized [1, {K}] {tg.FP8_DTYPE} row, got {x_q.dtype} "
+                         f"{tuple(x_q.shape)}")
+    x2 = x_q.reshape(-1, K)
+    if x2.shape[0] != 1:
+        raise ValueError(f"gemv takes one row (M = 1), got M={x2.shape[0]}")
+    if x2.device != w_q.device:
+        raise ValueError(f"x_q on {x2.device} but w_q on {w_q.device}")
+    x2 = x2.contiguous()
+    cfg = dict(GEMV_CONFIG, **(config or {}))
+    if cfg["BLOCK_K"] & (cfg["BLOCK_K"] - 1) or cfg["BLOCK_N"] & (cfg["BLOCK_N"] - 1) or cfg["BLOCK_N"] > 128:
+        raise ValueError(f"BLOCK_N (<= 128) and BLOCK_K must be powers of two, got {cfg}")
+    sxk = 0
+    if w_kind == "block":
+        if cfg["BLOCK_K"] < tg.SCALE_BLOCK:
+            raise ValueError(f"block gemv needs BLOCK_K >= {tg.SCALE_BLOCK}, got {cfg['BLOCK_K']}")
+        if K % tg.SCALE_BLOCK:
+            raise ValueError(f"block gemv needs K divisible by {tg.SCALE_BLOCK}, got K={K}")
+        tg._check_block_scale(w_s, N, K, "w_s", w_q.device, tg.SCALE_BLOCK)
+        tg._check_block_scale(x_scale, 1, K, "x_scale", x2.device, 1)
+        swn, swk, sxk = w_s.stride(0), w_s.stride(1), x_scale.stride(1)
+    else:
+        swn, swk = tg._vector_scale(w_s, N, "w_s", w_q.device), 0
+        tg._vector_scale(x_scale, 1, "x_scale", x2.device)
+    bias = tg._check_bias(bias, N, w_q.device)
+    tg._check_out_dtype(out_dtype)
+    y = torch.empty((1, N), dtype=out_dtype, device=w_q.device)
+    if N == 0:
+        return y
+    launch = {"launch_pdl": True} if pdl and sm90(w_q.device) and not torch.compiler.is_compiling() else {}
+    _gemv_kernel[(tg._cdiv(N, cfg["BLOCK_N"]),)](
+        x2, x_scale, w_q, w_s, bias if bias is not None else w_s, y, N, K, w_q.stride(0), swn, swk, sxk,
+        ACT_GROUP=w_kind == "block", HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"], PDL=bool(launch), num_warps=cfg["num_warps"], **launch)
+    return y
