@@ -26,6 +26,7 @@ under TRITON_INTERPRET=1).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -33,6 +34,10 @@ import sys
 import torch
 import triton
 import triton.language as tl
+
+from bench_decode import rel
+from bench_linear import graph_ms, varied
+from tune_decode import exact
 
 SHAPES = [(1024, 4096), (4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (8192, 8192), (57344, 8192),
           (8192, 28672)]
@@ -109,25 +114,32 @@ def gemv(x_q, x_s, w_q, w_s, block_n, block_k, warps, out_dtype=torch.bfloat16):
                    config=dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps))
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
-
-
 def operands(n: int, k: int, device: str, seed: int):
-    """A varied bf16 row and weight, quantized per token / per channel as fp8now does."""
+    """A varied bf16 row and weight (bench_linear.varied), quantized per token / per channel."""
     from fp8now.numerics import quantize_activation, quantize_weight
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    w = (torch.randn(n, k, generator=g) * 2.0 ** torch.randint(-4, 4, (n, 1), generator=g)).to(device)
-    x = (torch.randn(1, k, generator=g) * 2.0 ** torch.randint(-4, 4, (1, k), generator=g)).to(device)
-    w_q, w_s = quantize_weight(w.to(torch.bfloat16), "channel")
-    x_q, x_s = quantize_activation(x.to(torch.bfloat16), "token")
-    return x.to(torch.bfloat16), w.to(torch.bfloat16), x_q, x_s, w_q, w_s
+    x, w = varied(1, k, seed, device), varied(n, k, seed + 1, device)
+    return (x, w, *quantize_activation(x, "token"), *quantize_weight(w, "channel"))
+
+
+@contextlib.contextmanager
+def gemv_table(table: dict | None):
+    """triton_fp8.GEMV_M1 replaced by `table` (None: left as shipped) inside the block, restored after."""
+    from fp8now.kernels import triton_fp8 as tf
+    saved = dict(tf.GEMV_M1)
+    if table is not None:
+        tf.GEMV_M1.clear()
+        tf.GEMV_M1.update(table)
+    try:
+        yield
+    finally:
+        tf.GEMV_M1.clear()
+        tf.GEMV_M1.update(saved)
 
 
 def check(n: int, k: int, device: str, seed: int) -> list[dict]:
     """Every GEMV config against the float64 product, the stream sums against torch's: failures raise."""
     _, _, x_q, x_s, w_q, w_s = operands(n, k, device, seed)
-    ref = (x_q.double() * x_s.double()) @ (w_q.double() * w_s.double().reshape(-1, 1)).t()
+    ref = exact(x_q, x_s, w_q, w_s, "channel")
     rows = []
     for bn, bk, warps in GEMVS:
         err = rel(gemv(x_q, x_s, w_q, w_s, bn, bk, warps, torch.float32), ref)
@@ -147,7 +159,6 @@ def check(n: int, k: int, device: str, seed: int) -> list[dict]:
 
 
 def main() -> None:
-    from bench_linear import graph_ms
     from fp8now.config import Scheme
     from fp8now.kernels import split_counters, triton_decode as td, triton_fp8 as tf, triton_gemv as tv
     from fp8now.kernels import triton_quant as tq
@@ -161,7 +172,6 @@ def main() -> None:
         q, s = tq.quantize_act_group(x, early_launch=True)
         return tv.gemv(q, *wq, "block", x_scale=s, out_dtype=x.dtype, config=config, pdl=True)
 
-    GEMV_SHIPPED = dict(tf.GEMV_M1)
     if "--check" in sys.argv:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         for n, k in ((64, 256), (80, 384)):
@@ -193,18 +203,12 @@ def main() -> None:
         base = dict(N=n, K=k, M=1, weight_mb=n * k / 1e6)
 
         def timed(impl, make, gemv_m1=None):
-            """GPU µs per call of make(i)() (weight copy i), with triton_fp8.GEMV_M1 set while capturing."""
-            saved = dict(tf.GEMV_M1)
+            """GPU µs per call of make(i)() (weight copy i), with triton_fp8.GEMV_M1 = gemv_m1 while capturing."""
             try:
-                if gemv_m1 is not None:
-                    tf.GEMV_M1.clear()
-                    tf.GEMV_M1.update(gemv_m1)
-                add(impl=impl, us=1e3 * graph_ms(make, COPIES, 5, 30), **base)
+                with gemv_table(gemv_m1):
+                    add(impl=impl, us=1e3 * graph_ms(make, COPIES, 5, 30), **base)
             except Exception as e:  # one variant failing must not cost the rest of the call
                 add(impl=impl, fail=f"{type(e).__name__}: {e}"[:300], **base)
-            finally:
-                tf.GEMV_M1.clear()
-                tf.GEMV_M1.update(saved)
 
         def layer(sch, i):   # the triton backend's call, as Fp8Linear makes it
             return lambda: tf.linear(x, *wq[sch][i], None, Scheme(sch), ACT[sch], counters=cnt[i])
@@ -223,11 +227,8 @@ def main() -> None:
         for sch in ("tensor", "channel", "block"):
             outs = []
             for table in ({}, {sch: 1 << 62}):
-                tf.GEMV_M1.clear()
-                tf.GEMV_M1.update(table)
-                outs.append(layer(sch, 0)().float())
-            tf.GEMV_M1.clear()
-            tf.GEMV_M1.update(GEMV_SHIPPED)
+                with gemv_table(table):
+                    outs.append(layer(sch, 0)().float())
             err = rel_diff(outs[1], outs[0])   # SPEC's metric; both bf16 outputs of the same FP8 operands
             add(impl=f"{sch}-gemv-vs-decode", rel_diff=err, ok=err < 1e-4, **base)
         for sch in ("tensor", "channel", "block"):

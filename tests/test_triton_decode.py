@@ -1,5 +1,6 @@
-"""The one-launch decode kernel (activation quantized inside a split-K GEMM that reduces its own splits)
-against float64 products of the same FP8 operands.
+"""The decode GEMMs against float64 products of the same FP8 operands: the one-launch decode kernel
+(activation quantized inside a split-K GEMM that reduces its own splits) and the M = 1 GEMV
+(CUDA-core products, no K split, pre-quantized row).
 
 Without a CUDA device the kernel runs in Triton's interpreter (TRITON_INTERPRET=1 before triton is
 imported), so shapes stay tiny. The interpreter's fp32 -> fp8 cast is defective (SPEC §2), so there the
@@ -14,7 +15,7 @@ pytest.importorskip("triton")
 
 from fp8now import numerics as nu  # noqa: E402  (conftest chose the interpreter before this import)
 from fp8now.kernels import split_counters  # noqa: E402
-from fp8now.kernels import triton_decode as td, triton_gemm as tg, triton_quant as tq  # noqa: E402
+from fp8now.kernels import triton_decode as td, triton_gemm as tg, triton_gemv as tv, triton_quant as tq  # noqa: E402
 from fp8_oracle import varied  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -157,3 +158,89 @@ def test_triton_backend_decode_dispatch(scheme, m, fused_max_n, gemv, monkeypatc
     ref = _exact(*_quantized_x(x, act), act, w_q, w_s, scheme, b)
     assert nu.rel_diff(y.cpu().float(), ref) < 1e-4
     assert int(counters.abs().sum()) == 0
+
+
+# --- the M = 1 GEMV (triton_gemv): CUDA-core products, no K split, pre-quantized row -----------------
+ACT = dict(PAIRS)
+
+
+def _row(n, k, w_kind, seed, bias=True, dtype=BF16):
+    """One activation row with outliers next to small values and an all-zero 1x128 group (its scale
+    floor), and a weight quantized per `w_kind`."""
+    x, w_q, w_s, b = _operands(1, n, k, w_kind, seed, bias=bias, dtype=dtype)
+    x[0, :3] = 300.0
+    x[0, 128:256] = 0.0
+    return x, w_q, w_s, b
+
+
+def _gemv(x, w_q, w_s, w_kind, b, **kw):
+    x_q, x_s = _quantized_x(x, ACT[w_kind])
+    return tv.gemv(x_q, w_q, w_s, w_kind, b, x_scale=x_s, **kw)
+
+
+@pytest.mark.parametrize("w_kind", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("n,k,cfg", [(200, 640, dict(BLOCK_N=4, BLOCK_K=256)),     # N tail, K tail
+                                     (96, 1024, dict(BLOCK_N=16, BLOCK_K=512)),
+                                     (130, 384, dict(BLOCK_N=8, BLOCK_K=128)),
+                                     (64, 256, None)])                             # shipped config
+def test_gemv_matches_exact_product(w_kind, n, k, cfg):
+    x, w_q, w_s, b = _row(n, k, w_kind, seed=n + k)
+    y = _gemv(x, w_q, w_s, w_kind, b, out_dtype=FP32, config=cfg)
+    ref = _exact(*_quantized_x(x, ACT[w_kind]), ACT[w_kind], w_q, w_s, w_kind, b)
+    assert y.shape == (1, n) and y.dtype == FP32 and torch.isfinite(y).all()
+    assert nu.rel_diff(y.cpu(), ref) < 1e-6
+    assert float((y.cpu().double() - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+@pytest.mark.parametrize("w_kind", ["channel", "block"])
+def test_gemv_output_dtype_without_bias(w_kind, dtype):
+    x, w_q, w_s, _ = _row(64, 512, w_kind, seed=9, bias=False, dtype=dtype)
+    y = _gemv(x, w_q, w_s, w_kind, None, out_dtype=dtype)
+    assert y.dtype == dtype
+    ref = _exact(*_quantized_x(x, ACT[w_kind]), ACT[w_kind], w_q, w_s, w_kind, None)
+    assert nu.rel_diff(y.cpu().float(), ref) < 1e-4
+
+
+def test_gemv_block_scale_layouts_agree():
+    """Row- and column-major activation scales (the group quantizer's two layouts) give the same bytes."""
+    x, w_q, w_s, b = _row(96, 640, "block", seed=21)
+    ys = []
+    for col_major in (False, True):
+        x_q, x_s = tq.quantize_act_group(x, col_major=col_major)
+        ys.append(tv.gemv(x_q, w_q, w_s, "block", b, x_scale=x_s, config=dict(BLOCK_N=8, BLOCK_K=256)))
+    assert torch.equal(ys[0], ys[1])
+
+
+def test_gemv_misindexed_scale_control():
+    """A rolled weight scale (control) moves the result: the scales are really applied per tile."""
+    x, w_q, w_s, b = _row(256, 512, "block", seed=5)
+    x_q, x_s = tq.quantize_act_group(x)
+    y = tv.gemv(x_q, w_q, w_s, "block", b, x_scale=x_s)
+    rolled = tv.gemv(x_q, w_q, w_s.roll(1, 1).contiguous(), "block", b, x_scale=x_s)
+    assert nu.rel_diff(rolled.cpu().float(), y.cpu().float()) > 1e-3
+
+
+def test_gemv_rejects_bad_inputs():
+    x, w_q, w_s, _ = _row(64, 256, "block", seed=1)
+    x_q, x_s = tq.quantize_act_group(x)
+    with pytest.raises(ValueError, match="one row"):
+        tv.gemv(torch.cat([x_q] * 2), w_q, w_s, "block", x_scale=x_s)
+    with pytest.raises(ValueError, match="w_kind"):
+        tv.gemv(x_q, w_q, w_s, "group", x_scale=x_s)
+    with pytest.raises(ValueError, match="pre-quantized"):
+        tv.gemv(x, w_q, w_s, "block", x_scale=x_s)
+    with pytest.raises(ValueError, match="x_scale"):
+        tv.gemv(x_q, w_q, w_s, "block", x_scale=x_s[:, :1])
+    with pytest.raises(ValueError, match="w_s"):
+        tv.gemv(x_q, w_q, w_s[:, :1], "block", x_scale=x_s)
+    with pytest.raises(ValueError, match="powers of two"):
+        tv.gemv(x_q, w_q, w_s, "block", x_scale=x_s, config=dict(BLOCK_N=3))
+    with pytest.raises(ValueError, match="BLOCK_K >= 128"):
+        tv.gemv(x_q, w_q, w_s, "block", x_scale=x_s, config=dict(BLOCK_K=64))
+    with pytest.raises(ValueError, match="contiguous along K"):
+        tv.gemv(x_q, w_q.t().contiguous().t(), w_s, "block", x_scale=x_s)
+    xt_q, xt_s = tq.quantize_act_token(x)
+    wc_q, wc_s = nu.quantize_weight(varied((64, 256), torch.float32, seed=2), "channel")
+    with pytest.raises(ValueError, match="x_scale"):
+        tv.gemv(xt_q, wc_q.to(DEV), wc_s.to(DEV), "channel", x_scale=xt_s.expand(1, 2))

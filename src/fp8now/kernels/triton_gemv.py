@@ -48,10 +48,6 @@ def _gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_wn, st
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = (offs_n % N).to(tl.int64)          # rows past N wrap onto real ones (the store masks them)
-    offs_k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + rn[:, None] * stride_wn
-    # block: every row of this program lies in one 128-row weight tile (BLOCK_N divides 128)
-    sw_tile = ws_ptr + ((tl.program_id(0) * BLOCK_N) // 128).to(tl.int64) * stride_wsn
     if PDL:  # launched early (programmatic dependent launch): wait for the quantizer's writes
         gdc_wait()
     if ACT_GROUP:  # [rows, groups, 128]: each FP8 activation value times s_x[g] * s_w[tile, g]
@@ -59,6 +55,8 @@ def _gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_wn, st
         offs_g = tl.arange(0, G)
         offs_t = tl.arange(0, 128)
         w_rows3 = (w_ptr + rn * stride_wn)[:, None, None]
+        # every row of this program lies in one 128-row weight tile (BLOCK_N divides 128)
+        sw_tile = ws_ptr + ((tl.program_id(0) * BLOCK_N) // 128).to(tl.int64) * stride_wsn
         acc3 = tl.zeros((BLOCK_N, G, 128), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             gk = k0 // 128 + offs_g                                                              # [G]
@@ -71,6 +69,8 @@ def _gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_wn, st
             acc3 += w.to(tl.float32) * xk[None, :, :]
         acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
     else:
+        offs_k = tl.arange(0, BLOCK_K)
+        w_rows = w_ptr + rn[:, None] * stride_wn
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
