@@ -37,7 +37,8 @@ def compile_one(name, kernel, pointers, consts, options, cap=90, scalars=None):
     row = dict(kernel=name)
     try:
         ptx = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=options).asm["ptx"]
-        row.update(ok=True, gdc_wait="griddepcontrol.wait" in ptx,
+        wait = ptx.find("griddepcontrol.wait")
+        row.update(ok=True, gdc_wait=wait >= 0, load_before_wait=wait > ptx.find("ld.global") >= 0,
                    gdc_launch="griddepcontrol.launch_dependents" in ptx,
                    mma="wgmma" in ptx or "mma.sync" in ptx, wgmma="wgmma" in ptx)
     except Exception as e:  # report, do not stop: the test lists every failure
@@ -74,12 +75,14 @@ def main():
         compile_one(f"group_quant bm={block_m} g={groups} early={early}", tq._group_quant_kernel, q,
                     dict(FMAX=E4M3FN.fmax, FLOOR=GROUP_AMAX_FLOOR, BLOCK_M=block_m, GROUPS=groups, GROUP_K=128,
                          EARLY=early), dict(num_warps=warps))
-    gv = tv.GEMV_CONFIG
-    for group, pdl in [(False, False), (False, True), (True, True)]:
-        compile_one(f"gemv group={group} pdl={pdl}", tv._gemv_kernel,
-                    dict(x_ptr=FP8, xs_ptr=F32, w_ptr=FP8, ws_ptr=F32, b_ptr=F32, y_ptr=BF16),
-                    dict(ACT_GROUP=group, HAS_BIAS=True, BLOCK_N=gv["BLOCK_N"], BLOCK_K=gv["BLOCK_K"], PDL=pdl),
-                    dict(num_warps=gv["num_warps"], launch_pdl=pdl))
+    for rows, gv in tv.GEMV_CONFIGS.items():
+        for group, pdl, prefetch in [(False, False, gv["PREFETCH"]), (False, True, True), (False, True, False),
+                                     (True, True, gv["PREFETCH"])]:
+            compile_one(f"gemv rows={rows} group={group} pdl={pdl} prefetch={prefetch}", tv._gemv_kernel,
+                        dict(x_ptr=FP8, xs_ptr=F32, w_ptr=FP8, ws_ptr=F32, b_ptr=F32, y_ptr=BF16),
+                        dict(ACT_GROUP=group, HAS_BIAS=True, ROWS=rows, BLOCK_N=gv["BLOCK_N"],
+                             BLOCK_K=gv["BLOCK_K"], PREFETCH=prefetch, PDL=pdl),
+                        dict(num_warps=gv["num_warps"], launch_pdl=pdl))
     compile_one("amax", tq._amax_kernel, dict(x_ptr=BF16, amax_ptr=I32),
                 dict(BLOCK_M=8, BLOCK_K=1024, K_ITERS=8), dict(num_warps=16))
     compile_one("tensor_quant", tq._tensor_quant_kernel, dict(x_ptr=BF16, q_ptr=FP8, amax_ptr=I32, s_ptr=F32),

@@ -138,27 +138,29 @@ def test_batch_invariant(scheme):
         assert torch.equal(got[:rows], want[:rows]), (scheme, m)
 
 
-@pytest.mark.parametrize("scheme,m", [(Scheme.CHANNEL, 1), (Scheme.TENSOR, 1), (Scheme.BLOCK, 1),
-                                      (Scheme.CHANNEL, 4), (Scheme.TENSOR, 4)])
-def test_decode_pdl_launch_reads_the_fresh_activation(scheme, m, monkeypatch):
-    """At M <= PDL_MAX_M the GEMM starts while the quantizer still runs (programmatic dependent launch):
-    the M = 1 GEMV (forced on for every scheme here) and the decode kernel at M = 4. Each call's input is
-    written by a kernel right before the call: every output must equal the plain launch's bytes for that
-    input, eager and replayed in a CUDA graph."""
+@pytest.mark.parametrize("scheme,m,gemv", [(Scheme.CHANNEL, 1, True), (Scheme.TENSOR, 1, True),
+                                           (Scheme.BLOCK, 1, True), (Scheme.CHANNEL, 4, True),
+                                           (Scheme.BLOCK, 3, True), (Scheme.CHANNEL, 4, False),
+                                           (Scheme.TENSOR, 4, False)])
+def test_decode_pdl_launch_reads_the_fresh_activation(scheme, m, gemv, monkeypatch):
+    """The GEMM starts while the quantizer still runs (programmatic dependent launch), the GEMV (forced
+    on for every scheme and M <= 4 here) and the decode
+    kernel at M = 4. Each call's input is written by a kernel right before the call: every output must
+    equal the plain launch's bytes for that input, eager and replayed in a CUDA graph."""
     from fp8now.kernels import triton_decode, triton_fp8, triton_gemv, triton_quant
-    assert m <= triton_fp8.PDL_MAX_M
-    monkeypatch.setattr(triton_fp8, "GEMV_M1", {s: 1 << 62 for s in ("tensor", "channel", "block")})
+    assert gemv or m <= triton_fp8.PDL_MAX_M
+    monkeypatch.setattr(triton_fp8, "GEMV_MAX_N", {s: {r: (1 << 62) * gemv for r in (1, 2, 4, 8)}
+                                                   for s in ("tensor", "channel", "block")})
     lin, layer = layer_for(4096, 4096, scheme, "triton", bias=False)
     xs = [varied((m, 4096), torch.float32, seed=m * 100 + i, spread=3).cuda().to(torch.bfloat16)
           for i in range(20)]
 
     def plain(x):
-        if m == 1:
-            block = scheme is Scheme.BLOCK
-            q, s = triton_quant.quantize_act_group(x) if block else triton_quant.quantize_act_token(x)
+        block = scheme is Scheme.BLOCK
+        q, s = triton_quant.quantize_act_group(x) if block else triton_quant.quantize_act_token(x)
+        if gemv:
             return triton_gemv.gemv(q, layer.weight, layer.weight_scale, scheme.value, x_scale=s,
                                     out_dtype=x.dtype, pdl=False)
-        q, s = triton_quant.quantize_act_token(x)
         return triton_decode.decode_linear(q, layer.weight, layer.weight_scale, scheme.value, "token",
                                            x_scale=s, out_dtype=x.dtype, pdl=False)
     want = [plain(x) for x in xs]

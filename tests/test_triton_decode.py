@@ -1,6 +1,6 @@
 """The decode GEMMs against float64 products of the same FP8 operands: the one-launch decode kernel
-(activation quantized inside a split-K GEMM that reduces its own splits) and the M = 1 GEMV
-(CUDA-core products, no K split, pre-quantized row).
+(activation quantized inside a split-K GEMM that reduces its own splits) and the GEMV for up to 4
+rows (CUDA-core products, no K split, pre-quantized rows).
 
 Without a CUDA device the kernel runs in Triton's interpreter (TRITON_INTERPRET=1 before triton is
 imported), so shapes stay tiny. The interpreter's fp32 -> fp8 cast is defective (SPEC §2), so there the
@@ -144,12 +144,13 @@ def test_decode_rejects_bad_inputs():
 @pytest.mark.parametrize("fused_max_n,gemv", [(0, False), (4096, False), (0, True)])
 def test_triton_backend_decode_dispatch(scheme, m, fused_max_n, gemv, monkeypatch):
     """The triton backend's decode branches (quantizer + decode kernel; block at M=1 fused or not;
-    the M = 1 GEMV for every scheme), called directly (on CPU the backend itself refuses to be picked,
-    the interpreter runs its kernels)."""
+    the GEMV at M = 1 and 3 for every scheme), called directly (on CPU the backend itself refuses to
+    be picked, the interpreter runs its kernels)."""
     from fp8now.config import Scheme
     from fp8now.kernels import triton_fp8
     monkeypatch.setattr(triton_fp8, "FUSED_BLOCK_MAX_N", fused_max_n)
-    monkeypatch.setattr(triton_fp8, "GEMV_M1", {s: (1 << 62) * gemv for s in ("tensor", "channel", "block")})
+    monkeypatch.setattr(triton_fp8, "GEMV_MAX_N", {s: {r: (1 << 62) * gemv for r in (1, 2, 4, 8)}
+                                                   for s in ("tensor", "channel", "block")})
     act = "group" if scheme == "block" else "token"
     x, w_q, w_s, b = _operands(m, 160, 1024, scheme, seed=31 + m)   # K=1024: auto-split in two
     counters = split_counters(160, DEV)
@@ -160,7 +161,7 @@ def test_triton_backend_decode_dispatch(scheme, m, fused_max_n, gemv, monkeypatc
     assert int(counters.abs().sum()) == 0
 
 
-# --- the M = 1 GEMV (triton_gemv): CUDA-core products, no K split, pre-quantized row -----------------
+# --- the GEMV (triton_gemv, M <= 4): CUDA-core products, no K split, pre-quantized rows -------------
 ACT = dict(PAIRS)
 
 
@@ -179,15 +180,22 @@ def _gemv(x, w_q, w_s, w_kind, b, **kw):
 
 
 @pytest.mark.parametrize("w_kind", ["tensor", "channel", "block"])
-@pytest.mark.parametrize("n,k,cfg", [(200, 640, dict(BLOCK_N=4, BLOCK_K=256)),     # N tail, K tail
-                                     (96, 1024, dict(BLOCK_N=16, BLOCK_K=512)),
-                                     (130, 384, dict(BLOCK_N=8, BLOCK_K=128)),
-                                     (64, 256, None)])                             # shipped config
-def test_gemv_matches_exact_product(w_kind, n, k, cfg):
-    x, w_q, w_s, b = _row(n, k, w_kind, seed=n + k)
+@pytest.mark.parametrize("m,n,k,cfg", [(1, 200, 640, dict(BLOCK_N=4, BLOCK_K=256)),     # N tail, K tail
+                                       (1, 96, 1024, dict(BLOCK_N=16, BLOCK_K=512, PREFETCH=False)),
+                                       (1, 130, 384, dict(BLOCK_N=8, BLOCK_K=128)),
+                                       (1, 64, 256, None),                             # shipped configs
+                                       (2, 72, 384, None),
+                                       (3, 136, 640, dict(BLOCK_N=8, BLOCK_K=64)),     # M tail, BK < 128
+                                       (4, 64, 256, None),
+                                       (4, 72, 640, dict(BLOCK_N=8, BLOCK_K=128, PREFETCH=True)),
+                                       (2, 40, 384, dict(PREFETCH=True))])
+def test_gemv_matches_exact_product(w_kind, m, n, k, cfg):
+    """Every scheme, 1 to 4 rows (M = 3 in a 4-row program: its wrapped rows must not be stored), with
+    an all-zero row and outliers (M > 2), N / K tails, float32 output, bias, against float64."""
+    x, w_q, w_s, b = _row(n, k, w_kind, seed=n + k) if m == 1 else _operands(m, n, k, w_kind, seed=m + n + k)
     y = _gemv(x, w_q, w_s, w_kind, b, out_dtype=FP32, config=cfg)
     ref = _exact(*_quantized_x(x, ACT[w_kind]), ACT[w_kind], w_q, w_s, w_kind, b)
-    assert y.shape == (1, n) and y.dtype == FP32 and torch.isfinite(y).all()
+    assert y.shape == (m, n) and y.dtype == FP32 and torch.isfinite(y).all()
     assert nu.rel_diff(y.cpu(), ref) < 1e-6
     assert float((y.cpu().double() - ref).abs().max() / ref.abs().max()) < 1e-5
 
@@ -224,8 +232,8 @@ def test_gemv_misindexed_scale_control():
 def test_gemv_rejects_bad_inputs():
     x, w_q, w_s, _ = _row(64, 256, "block", seed=1)
     x_q, x_s = tq.quantize_act_group(x)
-    with pytest.raises(ValueError, match="one row"):
-        tv.gemv(torch.cat([x_q] * 2), w_q, w_s, "block", x_scale=x_s)
+    with pytest.raises(ValueError, match="1 to 4 rows"):
+        tv.gemv(torch.cat([x_q] * 5), w_q, w_s, "block", x_scale=torch.cat([x_s] * 5))
     with pytest.raises(ValueError, match="w_kind"):
         tv.gemv(x_q, w_q, w_s, "group", x_scale=x_s)
     with pytest.raises(ValueError, match="pre-quantized"):
@@ -236,8 +244,6 @@ def test_gemv_rejects_bad_inputs():
         tv.gemv(x_q, w_q, w_s[:, :1], "block", x_scale=x_s)
     with pytest.raises(ValueError, match="powers of two"):
         tv.gemv(x_q, w_q, w_s, "block", x_scale=x_s, config=dict(BLOCK_N=3))
-    with pytest.raises(ValueError, match="BLOCK_K >= 128"):
-        tv.gemv(x_q, w_q, w_s, "block", x_scale=x_s, config=dict(BLOCK_K=64))
     with pytest.raises(ValueError, match="contiguous along K"):
         tv.gemv(x_q, w_q.t().contiguous().t(), w_s, "block", x_scale=x_s)
     xt_q, xt_s = tq.quantize_act_token(x)

@@ -38,60 +38,102 @@ except ImportError:  # triton_gemm's stand-ins keep the definitions parseable; a
 
 # 4 weight rows per program, 1024 of K per step, 4 warps: of 6 configs on the FP8 row (H200,
 # probe_decode_floor.py), the fastest at 4 of the 8 shapes and within 4% of the fastest at the others.
-GEMV_CONFIG = dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4)
+# More rows hold ROWS x BLOCK_N x BLOCK_K float32 products per program: BLOCK_K shrinks with ROWS.
+# PREFETCH: read the first weight chunk before the programmatic-dependent wait.
+GEMV_CONFIGS = {1: dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, PREFETCH=False),
+                2: dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, PREFETCH=False),
+                4: dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, PREFETCH=False)}
+MAX_M = 4
 W_KINDS = ("tensor", "channel", "block")
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_wsn, stride_wsk,
-                 stride_xsk, ACT_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _x_row(x_ptr, xs_ptr, sw_tile, r, M, kk, k_ok, stride_xm, stride_xsm, stride_xsk, stride_wsk,
+           ACT_GROUP: tl.constexpr):
+    """[BLOCK_K] float32 values of activation row r (past M: a real row, never stored) at K offsets kk;
+    for block each times its group's s_x[r, g] * s_w[tile, g]."""
+    rr = (r % M).to(tl.int64)
+    xk = tl.load(x_ptr + rr * stride_xm + kk, mask=k_ok, other=0.0).to(tl.float32)
+    if ACT_GROUP:
+        gk = kk // 128
+        xk *= (tl.load(xs_ptr + rr * stride_xsm + gk * stride_xsk, mask=k_ok, other=0.0)
+               * tl.load(sw_tile + gk * stride_wsk, mask=k_ok, other=0.0))
+    return xk
+
+
+@triton.jit
+def _store_row(acc, r, M, xs_ptr, ws_ptr, b_ptr, y_ptr, rn, offs_n, N, stride_xsm, stride_wsn, stride_ym,
+               ACT_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y[r, n] = sum_k acc[n, k] (times s_x[r] * s_w[n] unless block) + bias[n], for r < M."""
+    y = tl.sum(acc, axis=1)
+    if not ACT_GROUP:
+        y = y * (tl.load(xs_ptr + (r % M).to(tl.int64) * stride_xsm) * tl.load(ws_ptr + rn * stride_wsn))
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn).to(tl.float32)
+    tl.store(y_ptr + r * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty),
+             mask=(offs_n < N) & (offs_n * 0 + r < M))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_xsm, stride_xsk,
+                 stride_ym, stride_wn, stride_wsn, stride_wsk, ACT_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+                 PDL: tl.constexpr):
+    # one [BLOCK_N, BLOCK_K] float32 accumulator per activation row (ROWS <= 4), each reduced once at the end
+    tl.static_assert(ROWS == 1 or ROWS == 2 or ROWS == 4)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = (offs_n % N).to(tl.int64)          # rows past N wrap onto real ones (the store masks them)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rn[:, None] * stride_wn                                                   # [BN, 1]
+    # block: every weight row of this program lies in one 128-row weight tile (BLOCK_N divides 128)
+    sw_tile = ws_ptr + ((tl.program_id(0) * BLOCK_N) // 128).to(tl.int64) * stride_wsn
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if PREFETCH:  # the first weight chunk (no kernel in flight writes the weight) is read before the wait
+        w = tl.load(w_rows + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
     if PDL:  # launched early (programmatic dependent launch): wait for the quantizer's writes
         gdc_wait()
-    if ACT_GROUP:  # [rows, groups, 128]: each FP8 activation value times s_x[g] * s_w[tile, g]
-        G: tl.constexpr = BLOCK_K // 128
-        offs_g = tl.arange(0, G)
-        offs_t = tl.arange(0, 128)
-        w_rows3 = (w_ptr + rn * stride_wn)[:, None, None]
-        # every row of this program lies in one 128-row weight tile (BLOCK_N divides 128)
-        sw_tile = ws_ptr + ((tl.program_id(0) * BLOCK_N) // 128).to(tl.int64) * stride_wsn
-        acc3 = tl.zeros((BLOCK_N, G, 128), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            gk = k0 // 128 + offs_g                                                              # [G]
-            g_ok = gk < K // 128
-            kk = gk[:, None] * 128 + offs_t[None, :]                                             # [G, 128]
-            w = tl.load(w_rows3 + kk[None, :, :], mask=g_ok[None, :, None], other=0.0)           # [BN, G, 128]
-            c = (tl.load(xs_ptr + gk * stride_xsk, mask=g_ok, other=0.0)
-                 * tl.load(sw_tile + gk * stride_wsk, mask=g_ok, other=0.0))
-            xk = tl.load(x_ptr + kk, mask=g_ok[:, None], other=0.0).to(tl.float32) * c[:, None]
-            acc3 += w.to(tl.float32) * xk[None, :, :]
-        acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
-    else:
-        offs_k = tl.arange(0, BLOCK_K)
-        w_rows = w_ptr + rn[:, None] * stride_wn
-        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
-            k_ok = kk < K
-            w = tl.load(w_rows + kk[None, :], mask=k_ok[None, :], other=0.0)                    # [BN, BK]
-            xk = tl.load(x_ptr + kk, mask=k_ok, other=0.0)                                      # [BK]
-            acc2 += w.to(tl.float32) * xk.to(tl.float32)[None, :]
-        acc = tl.sum(acc2, axis=1) * (tl.load(xs_ptr) * tl.load(ws_ptr + rn * stride_wsn))
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn).to(tl.float32)
-    tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < K
+        if PREFETCH:  # this chunk is in registers: start reading the next one (masked off past K)
+            wf = w.to(tl.float32)
+            w = tl.load(w_rows + (kk + BLOCK_K)[None, :], mask=(kk + BLOCK_K < K)[None, :], other=0.0)
+        else:
+            wf = tl.load(w_rows + kk[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)  # [BN, BK]
+        args = (x_ptr, xs_ptr, sw_tile)
+        strides = (stride_xm, stride_xsm, stride_xsk, stride_wsk)
+        acc0 += wf * _x_row(*args, 0, M, kk, k_ok, *strides, ACT_GROUP)[None, :]
+        if ROWS >= 2:
+            acc1 += wf * _x_row(*args, 1, M, kk, k_ok, *strides, ACT_GROUP)[None, :]
+        if ROWS == 4:
+            acc2 += wf * _x_row(*args, 2, M, kk, k_ok, *strides, ACT_GROUP)[None, :]
+            acc3 += wf * _x_row(*args, 3, M, kk, k_ok, *strides, ACT_GROUP)[None, :]
+    out = (xs_ptr, ws_ptr, b_ptr, y_ptr, rn, offs_n, N, stride_xsm, stride_wsn, stride_ym, ACT_GROUP, HAS_BIAS)
+    _store_row(acc0, 0, M, *out)
+    if ROWS >= 2:
+        _store_row(acc1, 1, M, *out)
+    if ROWS == 4:
+        _store_row(acc2, 2, M, *out)
+        _store_row(acc3, 3, M, *out)
+
+
+def rows_bucket(m: int) -> int:
+    """The kernel's ROWS for M rows: the next power of two (rows past M repeat real ones, stores masked)."""
+    return 1 << max(m - 1, 0).bit_length()
 
 
 def gemv(x_q: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind: str,
          bias: torch.Tensor | None = None, *, x_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
          config: dict | None = None, pdl: bool = False) -> torch.Tensor:
-    """y [1, N] = dequant(x_q [1, K]) @ dequant(W).T (+ bias) for one token, in `out_dtype`.
+    """y [M, N] = dequant(x_q [M, K]) @ dequant(W).T (+ bias) for M <= MAX_M tokens, in `out_dtype`.
 
-    w_kind "tensor" (w_s 0-d / [1]) or "channel" (w_s [N, 1]) with the per-token scale `x_scale` (one
-    value); w_kind "block" (w_s [ceil(N/128), K/128], K % 128 == 0) with the 1x128-group scales
-    `x_scale` [1, K/128] (any strides). `pdl` (sm_90; ignored elsewhere and under torch.compile):
+    w_kind "tensor" (w_s 0-d / [1]) or "channel" (w_s [N, 1]) with per-token scales `x_scale` [M, 1]
+    (or one per-tensor value); w_kind "block" (w_s [ceil(N/128), K/128], K % 128 == 0) with the
+    1x128-group scales `x_scale` [M, K/128] (any strides). `config` overrides GEMV_CONFIGS[ROWS]
+    (BLOCK_N, BLOCK_K, num_warps, PREFETCH). `pdl` (sm_90; ignored elsewhere and under torch.compile):
     launch as a programmatic dependent of the previous kernel (pair it with the quantizer's
     `early_launch=True`).
     """
@@ -103,37 +145,38 @@ def gemv(x_q: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind: str,
                          f"{tuple(w_q.shape)} strides {w_q.stride()}")
     N, K = w_q.shape
     if x_q.dtype != tg.FP8_DTYPE or x_q.shape[-1] != K:
-        raise ValueError(f"x_q must be the pre-quantized [1, {K}] {tg.FP8_DTYPE} row, got {x_q.dtype} "
+        raise ValueError(f"x_q must be the pre-quantized [M, {K}] {tg.FP8_DTYPE} rows, got {x_q.dtype} "
                          f"{tuple(x_q.shape)}")
     x2 = x_q.reshape(-1, K)
-    if x2.shape[0] != 1:
-        raise ValueError(f"gemv takes one row (M = 1), got M={x2.shape[0]}")
+    M = x2.shape[0]
+    if not 1 <= M <= MAX_M:
+        raise ValueError(f"gemv takes 1 to {MAX_M} rows, got M={M}")
     if x2.device != w_q.device:
         raise ValueError(f"x_q on {x2.device} but w_q on {w_q.device}")
-    x2 = x2.contiguous()
-    cfg = dict(GEMV_CONFIG, **(config or {}))
+    x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+    rows = rows_bucket(M)
+    cfg = dict(GEMV_CONFIGS[rows], **(config or {}))
     if cfg["BLOCK_K"] & (cfg["BLOCK_K"] - 1) or cfg["BLOCK_N"] & (cfg["BLOCK_N"] - 1) or cfg["BLOCK_N"] > 128:
         raise ValueError(f"BLOCK_N (<= 128) and BLOCK_K must be powers of two, got {cfg}")
-    sxk = 0
+    sxm = sxk = 0
     if w_kind == "block":
-        if cfg["BLOCK_K"] < tg.SCALE_BLOCK:
-            raise ValueError(f"block gemv needs BLOCK_K >= {tg.SCALE_BLOCK}, got {cfg['BLOCK_K']}")
         if K % tg.SCALE_BLOCK:
             raise ValueError(f"block gemv needs K divisible by {tg.SCALE_BLOCK}, got K={K}")
         tg._check_block_scale(w_s, N, K, "w_s", w_q.device, tg.SCALE_BLOCK)
-        tg._check_block_scale(x_scale, 1, K, "x_scale", x2.device, 1)
-        swn, swk, sxk = w_s.stride(0), w_s.stride(1), x_scale.stride(1)
+        tg._check_block_scale(x_scale, M, K, "x_scale", x2.device, 1)
+        swn, swk, sxm, sxk = w_s.stride(0), w_s.stride(1), x_scale.stride(0), x_scale.stride(1)
     else:
         swn, swk = tg._vector_scale(w_s, N, "w_s", w_q.device), 0
-        tg._vector_scale(x_scale, 1, "x_scale", x2.device)
+        sxm = tg._vector_scale(x_scale, M, "x_scale", x2.device)
     bias = tg._check_bias(bias, N, w_q.device)
     tg._check_out_dtype(out_dtype)
-    y = torch.empty((1, N), dtype=out_dtype, device=w_q.device)
+    y = torch.empty((M, N), dtype=out_dtype, device=w_q.device)
     if N == 0:
         return y
     launch = {"launch_pdl": True} if pdl and sm90(w_q.device) and not torch.compiler.is_compiling() else {}
     _gemv_kernel[(tg._cdiv(N, cfg["BLOCK_N"]),)](
-        x2, x_scale, w_q, w_s, bias if bias is not None else w_s, y, N, K, w_q.stride(0), swn, swk, sxk,
-        ACT_GROUP=w_kind == "block", HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], PDL=bool(launch), num_warps=cfg["num_warps"], **launch)
+        x2, x_scale, w_q, w_s, bias if bias is not None else w_s, y, M, N, K, x2.stride(0), sxm, sxk,
+        y.stride(0), w_q.stride(0), swn, swk, ACT_GROUP=w_kind == "block", HAS_BIAS=bias is not None,
+        ROWS=rows, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PREFETCH=bool(cfg["PREFETCH"]),
+        PDL=bool(launch), num_warps=cfg["num_warps"], **launch)
     return y

@@ -1,0 +1,131 @@
+"""The GEMV at M = 1 to 4 against the split-K decode kernel, and its pre-wait weight prefetch.
+
+`triton_gemv` takes up to 4 rows (ROWS = the next power of two of M). This probe decides the dispatch
+table `triton_fp8.GEMV_MAX_N` and the launch configs `triton_gemv.GEMV_CONFIGS` from GPU time in
+CUDA graphs of 8 calls on 8 weight copies (weights from HBM, not L2), per shape and M:
+- `bf16`: `F.linear`;
+- `<scheme>-decode`: the layer as `triton_fp8.linear` dispatches it with the GEMV off;
+- `<scheme>-gemv`: the same call with the GEMV on for this M (shipped config), after checking that
+  both give the same output (SPEC's rel_diff < 1e-4, row `<scheme>-gemv-vs-decode`);
+- `<scheme>-gemv-noprefetch`: the GEMV with PREFETCH off (its first weight chunk read after the
+  programmatic-dependent wait instead of before it);
+- `channel-gemv-BNxBK-wW`: the channel layer with other launch configs for this M's ROWS (at M = 1
+  also `block-gemv-BNxBK-wW`).
+
+`PYTHONPATH=src:benchmarks python benchmarks/probe_gemv_rows.py` (CUDA; env ROWS_SHAPES, an N x K
+list; ROWS_M, a list of M; OUT, where gemv_rows.json goes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+
+import torch
+
+from bench_linear import graph_ms, varied
+from probe_decode_floor import COPIES, gemv_table
+
+SHAPES = [(1024, 4096), (4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (8192, 8192), (57344, 8192),
+          (8192, 28672)]
+M_VALUES = [1, 2, 3, 4]
+ACT = {"tensor": "token", "channel": "token", "block": "group"}
+CONFIGS = {1: [(8, 1024, 4), (16, 512, 4), (8, 512, 4), (16, 1024, 8)],
+           2: [(4, 512, 4), (2, 1024, 4), (8, 512, 4), (4, 1024, 8)],
+           4: [(4, 256, 4), (2, 512, 4), (4, 1024, 4), (8, 256, 4)]}
+
+
+@contextlib.contextmanager
+def gemv_config(rows: int, **override):
+    """triton_gemv.GEMV_CONFIGS[rows] updated by `override` inside the block, restored after."""
+    from fp8now.kernels import triton_gemv as tv
+    saved = dict(tv.GEMV_CONFIGS[rows])
+    tv.GEMV_CONFIGS[rows].update(override)
+    try:
+        yield
+    finally:
+        tv.GEMV_CONFIGS[rows].clear()
+        tv.GEMV_CONFIGS[rows].update(saved)
+
+
+def main() -> None:
+    from fp8now.config import Scheme
+    from fp8now.kernels import split_counters, triton_fp8 as tf, triton_gemv as tv
+    from fp8now.numerics import quantize_weight, rel_diff
+
+    out_path = os.path.join(os.environ.get("OUT", "."), "gemv_rows.json")
+    shapes, ms = SHAPES, M_VALUES
+    if os.environ.get("ROWS_SHAPES"):
+        shapes = [tuple(int(v) for v in s.split("x")) for s in os.environ["ROWS_SHAPES"].split(",")]
+    if os.environ.get("ROWS_M"):
+        ms = [int(v) for v in os.environ["ROWS_M"].split(",")]
+    rows: list[dict] = []
+
+    def add(**r):
+        rows.append(r)
+        with open(out_path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+    for n, k in shapes:
+        w = varied(n, k, n + k, "cuda")
+        ws = [w.clone() for _ in range(COPIES)]
+        wq = {sch: [tuple(t.clone() for t in quantize_weight(w, sch)) for _ in range(COPIES)]
+              for sch in ("tensor", "channel", "block")}
+        cnt = [split_counters(n, "cuda") for _ in range(COPIES)]
+        for m in ms:
+            x = varied(m, k, n + 3 * k + m, "cuda")
+            bucket = tv.rows_bucket(m)
+            on = {sch: {bucket: 1 << 62} for sch in ("tensor", "channel", "block")}
+            base = dict(N=n, K=k, M=m, weight_mb=n * k / 1e6)
+
+            def layer(sch, i):   # the triton backend's call, as Fp8Linear makes it
+                return lambda: tf.linear(x, *wq[sch][i], None, Scheme(sch), ACT[sch], counters=cnt[i])
+
+            def timed(impl, make, table=None):
+                try:
+                    with gemv_table(table):
+                        add(impl=impl, us=1e3 * graph_ms(make, COPIES, 5, 30), **base)
+                except Exception as e:  # one variant failing must not cost the rest of the call
+                    add(impl=impl, fail=f"{type(e).__name__}: {e}"[:300], **base)
+
+            timed("bf16", lambda i: (lambda: torch.nn.functional.linear(x, ws[i])))
+            for sch in ("tensor", "channel", "block"):
+                outs = []
+                for table in ({}, on):
+                    with gemv_table(table):
+                        outs.append(layer(sch, 0)().float())
+                err = rel_diff(outs[1], outs[0])
+                add(impl=f"{sch}-gemv-vs-decode", rel_diff=err, ok=err < 1e-4, **base)
+                timed(f"{sch}-decode", lambda i, sch=sch: layer(sch, i), table={})
+                timed(f"{sch}-gemv", lambda i, sch=sch: layer(sch, i), table=on)
+                flip = not tv.GEMV_CONFIGS[bucket]["PREFETCH"]
+                with gemv_config(bucket, PREFETCH=flip):
+                    timed(f"{sch}-gemv-{'' if flip else 'no'}prefetch", lambda i, sch=sch: layer(sch, i), table=on)
+            for bn, bk, warps in CONFIGS.get(bucket, []):
+                with gemv_config(bucket, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps):
+                    for sch in ("channel", "block") if m == 1 else ("channel",):
+                        timed(f"{sch}-gemv-{bn}x{bk}-w{warps}", lambda i, sch=sch: layer(sch, i), table=on)
+        del ws, wq, cnt
+        torch.cuda.empty_cache()
+        print(f"{n}x{k} done", file=sys.stderr, flush=True)
+
+    print("\n== GEMV rows: graph µs per call (8 weight copies); x = bf16 / this")
+    bf = {(r["N"], r["K"], r["M"]): r["us"] for r in rows if r.get("impl") == "bf16" and "us" in r}
+    for r in rows:
+        key = (r["N"], r["K"], r["M"])
+        if "us" in r and r["impl"] != "bf16":
+            b = bf.get(key)
+            print(f"{r['N']:>6} {r['K']:>6} {r['M']:>2} {r['impl']:26} {r['us']:7.1f} {b / r['us'] if b else 0:5.2f}x")
+        elif "ok" in r:
+            print(f"{r['N']:>6} {r['K']:>6} {r['M']:>2} {r['impl']:26} rel_diff {r['rel_diff']:.1e} "
+                  f"{'ok' if r['ok'] else 'MISMATCH'}")
+        elif "fail" in r:
+            print(f"{r['N']:>6} {r['K']:>6} {r['M']:>2} {r['impl']:26} FAILED {r['fail'][:100]}")
+    for (n, k, m), us in bf.items():
+        print(f"{n:>6} {k:>6} {m:>2} {'bf16':26} {us:7.1f}")
+
+
+if __name__ == "__main__":
+    main()
