@@ -1,14 +1,14 @@
-"""The GEMV at M = 1 to 4 against the split-K decode kernel, and its pre-wait weight prefetch.
+"""The GEMV at M = 1 to 4 against the split-K decode kernel, and its launch configs.
 
-`triton_gemv` takes up to 4 rows (ROWS = the next power of two of M). This probe decides the dispatch
+`triton_gemv` takes up to 4 rows (ROWS = the next power of two of M). The runs of 2026-12-04 at
+392d13a also timed PREFETCH (the first weight chunk read before the programmatic-dependent wait,
+the next one while the current is multiplied): slower on every row, removed. This probe decides the dispatch
 table `triton_fp8.GEMV_MAX_N` and the launch configs `triton_gemv.GEMV_CONFIGS` from GPU time in
 CUDA graphs of 8 calls on 8 weight copies (weights from HBM, not L2), per shape and M:
 - `bf16`: `F.linear`;
 - `<scheme>-decode`: the layer as `triton_fp8.linear` dispatches it with the GEMV off;
 - `<scheme>-gemv`: the same call with the GEMV on for this M (shipped config), after checking that
   both give the same output (SPEC's rel_diff < 1e-4, row `<scheme>-gemv-vs-decode`);
-- `<scheme>-gemv-noprefetch`: the GEMV with PREFETCH off (its first weight chunk read after the
-  programmatic-dependent wait instead of before it);
 - `channel-gemv-BNxBK-wW`: the channel layer with other launch configs for this M's ROWS (at M = 1
   also `block-gemv-BNxBK-wW`).
 
@@ -32,7 +32,7 @@ SHAPES = [(1024, 4096), (4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)
           (8192, 28672)]
 M_VALUES = [1, 2, 3, 4]
 ACT = {"tensor": "token", "channel": "token", "block": "group"}
-CONFIGS = {1: [(8, 1024, 4), (16, 512, 4), (8, 512, 4), (16, 1024, 8)],
+CONFIGS = {1: [(4, 1024, 4), (8, 1024, 4), (8, 512, 4), (16, 512, 4), (4, 512, 4), (8, 2048, 4), (8, 256, 2)],
            2: [(4, 512, 4), (2, 1024, 4), (8, 512, 4), (4, 1024, 8)],
            4: [(4, 256, 4), (2, 512, 4), (4, 1024, 4), (8, 256, 4)]}
 
@@ -100,9 +100,6 @@ def main() -> None:
                 add(impl=f"{sch}-gemv-vs-decode", rel_diff=err, ok=err < 1e-4, **base)
                 timed(f"{sch}-decode", lambda i, sch=sch: layer(sch, i), table={})
                 timed(f"{sch}-gemv", lambda i, sch=sch: layer(sch, i), table=on)
-                flip = not tv.GEMV_CONFIGS[bucket]["PREFETCH"]
-                with gemv_config(bucket, PREFETCH=flip):
-                    timed(f"{sch}-gemv-{'' if flip else 'no'}prefetch", lambda i, sch=sch: layer(sch, i), table=on)
             for bn, bk, warps in CONFIGS.get(bucket, []):
                 with gemv_config(bucket, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps):
                     for sch in ("channel", "block") if m == 1 else ("channel",):

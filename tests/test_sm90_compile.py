@@ -34,17 +34,10 @@ def test_pdl_only_where_asked(compiled):
     for name, r in compiled.items():
         assert r["gdc_wait"] == (name == "decode group=False quant=False pdl=True"
                                  or name.startswith("gemv") and "pdl=True" in name), name
+        if r["gdc_wait"]:  # nothing is read before the wait: the previous kernel may still be writing it
+            assert not r["load_before_wait"], name
         assert r["gdc_launch"] == (name in ("row_quant single=True bk=4096 early=True",
                                             "group_quant bm=1 g=16 early=True")), name
-
-
-def test_gemv_prefetch_reads_the_weight_before_the_wait(compiled):
-    """PREFETCH's first weight load must stay ahead of griddepcontrol.wait in the PTX (and without
-    PREFETCH every global load must follow it): the compiler could legally have moved either."""
-    gemvs = {k: r for k, r in compiled.items() if k.startswith("gemv") and "pdl=True" in k}
-    assert len(gemvs) >= 8
-    for name, r in gemvs.items():
-        assert r["load_before_wait"] == ("prefetch=True" in name), name
 
 
 def test_gemms_use_tensor_cores(compiled):

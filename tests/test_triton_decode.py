@@ -181,14 +181,14 @@ def _gemv(x, w_q, w_s, w_kind, b, **kw):
 
 @pytest.mark.parametrize("w_kind", ["tensor", "channel", "block"])
 @pytest.mark.parametrize("m,n,k,cfg", [(1, 200, 640, dict(BLOCK_N=4, BLOCK_K=256)),     # N tail, K tail
-                                       (1, 96, 1024, dict(BLOCK_N=16, BLOCK_K=512, PREFETCH=False)),
+                                       (1, 96, 1024, dict(BLOCK_N=16, BLOCK_K=512)),
                                        (1, 130, 384, dict(BLOCK_N=8, BLOCK_K=128)),
                                        (1, 64, 256, None),                             # shipped configs
                                        (2, 72, 384, None),
                                        (3, 136, 640, dict(BLOCK_N=8, BLOCK_K=64)),     # M tail, BK < 128
                                        (4, 64, 256, None),
-                                       (4, 72, 640, dict(BLOCK_N=8, BLOCK_K=128, PREFETCH=True)),
-                                       (2, 40, 384, dict(PREFETCH=True))])
+                                       (4, 72, 640, dict(BLOCK_N=8, BLOCK_K=128)),
+                                       (2, 40, 384, dict(BLOCK_N=2, BLOCK_K=512, num_warps=2))])
 def test_gemv_matches_exact_product(w_kind, m, n, k, cfg):
     """Every scheme, 1 to 4 rows (M = 3 in a 4-row program: its wrapped rows must not be stored), with
     an all-zero row and outliers (M > 2), N / K tails, float32 output, bias, against float64."""

@@ -39,10 +39,9 @@ except ImportError:  # triton_gemm's stand-ins keep the definitions parseable; a
 # 4 weight rows per program, 1024 of K per step, 4 warps: of 6 configs on the FP8 row (H200,
 # probe_decode_floor.py), the fastest at 4 of the 8 shapes and within 4% of the fastest at the others.
 # More rows hold ROWS x BLOCK_N x BLOCK_K float32 products per program: BLOCK_K shrinks with ROWS.
-# PREFETCH: read the first weight chunk before the programmatic-dependent wait.
-GEMV_CONFIGS = {1: dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, PREFETCH=False),
-                2: dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, PREFETCH=False),
-                4: dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, PREFETCH=False)}
+GEMV_CONFIGS = {1: dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4),
+                2: dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4),
+                4: dict(BLOCK_N=4, BLOCK_K=512, num_warps=4)}
 MAX_M = 4
 W_KINDS = ("tensor", "channel", "block")
 
@@ -77,8 +76,7 @@ def _store_row(acc, r, M, xs_ptr, ws_ptr, b_ptr, y_ptr, rn, offs_n, N, stride_xs
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_xsm, stride_xsk,
                  stride_ym, stride_wn, stride_wsn, stride_wsk, ACT_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                 PDL: tl.constexpr):
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # one [BLOCK_N, BLOCK_K] float32 accumulator per activation row (ROWS <= 4), each reduced once at the end
     tl.static_assert(ROWS == 1 or ROWS == 2 or ROWS == 4)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -91,18 +89,12 @@ def _gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm,
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if PREFETCH:  # the first weight chunk (no kernel in flight writes the weight) is read before the wait
-        w = tl.load(w_rows + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
     if PDL:  # launched early (programmatic dependent launch): wait for the quantizer's writes
         gdc_wait()
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < K
-        if PREFETCH:  # this chunk is in registers: start reading the next one (masked off past K)
-            wf = w.to(tl.float32)
-            w = tl.load(w_rows + (kk + BLOCK_K)[None, :], mask=(kk + BLOCK_K < K)[None, :], other=0.0)
-        else:
-            wf = tl.load(w_rows + kk[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)  # [BN, BK]
+        wf = tl.load(w_rows + kk[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)      # [BN, BK]
         args = (x_ptr, xs_ptr, sw_tile)
         strides = (stride_xm, stride_xsm, stride_xsk, stride_wsk)
         acc0 += wf * _x_row(*args, 0, M, kk, k_ok, *strides, ACT_GROUP)[None, :]
@@ -133,7 +125,7 @@ def gemv(x_q: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind: str,
     w_kind "tensor" (w_s 0-d / [1]) or "channel" (w_s [N, 1]) with per-token scales `x_scale` [M, 1]
     (or one per-tensor value); w_kind "block" (w_s [ceil(N/128), K/128], K % 128 == 0) with the
     1x128-group scales `x_scale` [M, K/128] (any strides). `config` overrides GEMV_CONFIGS[ROWS]
-    (BLOCK_N, BLOCK_K, num_warps, PREFETCH). `pdl` (sm_90; ignored elsewhere and under torch.compile):
+    (BLOCK_N, BLOCK_K, num_warps). `pdl` (sm_90; ignored elsewhere and under torch.compile):
     launch as a programmatic dependent of the previous kernel (pair it with the quantizer's
     `early_launch=True`).
     """
@@ -177,6 +169,5 @@ def gemv(x_q: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind: str,
     _gemv_kernel[(tg._cdiv(N, cfg["BLOCK_N"]),)](
         x2, x_scale, w_q, w_s, bias if bias is not None else w_s, y, M, N, K, x2.stride(0), sxm, sxk,
         y.stride(0), w_q.stride(0), swn, swk, ACT_GROUP=w_kind == "block", HAS_BIAS=bias is not None,
-        ROWS=rows, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PREFETCH=bool(cfg["PREFETCH"]),
-        PDL=bool(launch), num_warps=cfg["num_warps"], **launch)
+        ROWS=rows, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL=bool(launch), num_warps=cfg["num_warps"], **launch)
     return y
