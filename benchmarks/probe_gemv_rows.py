@@ -3,7 +3,7 @@
 `triton_gemv` takes up to 4 rows (ROWS = the next power of two of M). The runs of 2026-12-04 at
 392d13a also timed PREFETCH (the first weight chunk read before the programmatic-dependent wait,
 the next one while the current is multiplied): slower on every row, removed. This probe decides the dispatch
-table `triton_fp8.GEMV_MAX_N` and the launch configs `triton_gemv.GEMV_CONFIGS` from GPU time in
+table `triton_fp8.GEMV_N` and the launch configs `triton_gemv.GEMV_CONFIGS` from GPU time in
 CUDA graphs of 8 calls on 8 weight copies (weights from HBM, not L2), per shape and M:
 - `bf16`: `F.linear`;
 - `<scheme>-decode`: the layer as `triton_fp8.linear` dispatches it with the GEMV off;
@@ -39,15 +39,15 @@ CONFIGS = {1: [(4, 1024, 4), (8, 1024, 4), (8, 512, 4), (16, 512, 4), (4, 512, 4
 
 @contextlib.contextmanager
 def gemv_config(rows: int, **override):
-    """triton_gemv.GEMV_CONFIGS[rows] updated by `override` inside the block, restored after."""
+    """triton_gemv.GEMV_CONFIGS' tables for `rows` (both scale kinds) replaced by one config for every N,
+    their catch-all row updated by `override`, inside the block; restored after."""
     from fp8now.kernels import triton_gemv as tv
-    saved = dict(tv.GEMV_CONFIGS[rows])
-    tv.GEMV_CONFIGS[rows].update(override)
+    saved = {key: table for key, table in tv.GEMV_CONFIGS.items() if key[0] == rows}
+    tv.GEMV_CONFIGS.update({key: [(None, dict(table[-1][1], **override))] for key, table in saved.items()})
     try:
         yield
     finally:
-        tv.GEMV_CONFIGS[rows].clear()
-        tv.GEMV_CONFIGS[rows].update(saved)
+        tv.GEMV_CONFIGS.update(saved)
 
 
 def main() -> None:
@@ -77,7 +77,7 @@ def main() -> None:
         for m in ms:
             x = varied(m, k, n + 3 * k + m, "cuda")
             bucket = tv.rows_bucket(m)
-            on = {sch: {bucket: 1 << 62} for sch in ("tensor", "channel", "block")}
+            on = {sch: {bucket: (0, 1 << 62)} for sch in ("tensor", "channel", "block")}
             base = dict(N=n, K=k, M=m, weight_mb=n * k / 1e6)
 
             def layer(sch, i):   # the triton backend's call, as Fp8Linear makes it

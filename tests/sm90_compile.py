@@ -75,13 +75,14 @@ def main():
         compile_one(f"group_quant bm={block_m} g={groups} early={early}", tq._group_quant_kernel, q,
                     dict(FMAX=E4M3FN.fmax, FLOOR=GROUP_AMAX_FLOOR, BLOCK_M=block_m, GROUPS=groups, GROUP_K=128,
                          EARLY=early), dict(num_warps=warps))
-    for rows, gv in tv.GEMV_CONFIGS.items():
-        for group, pdl in [(False, False), (False, True), (True, True)]:
-            compile_one(f"gemv rows={rows} group={group} pdl={pdl}", tv._gemv_kernel,
+    gemvs = {(rows, act == "group", c["BLOCK_N"], c["BLOCK_K"], c["num_warps"]) for (rows, act), table in
+             tv.GEMV_CONFIGS.items() for _, c in table}
+    for rows, group, bn, bk, warps in sorted(gemvs):
+        for pdl in (False, True):
+            compile_one(f"gemv rows={rows} group={group} {bn}x{bk}-w{warps} pdl={pdl}", tv._gemv_kernel,
                         dict(x_ptr=FP8, xs_ptr=F32, w_ptr=FP8, ws_ptr=F32, b_ptr=F32, y_ptr=BF16),
-                        dict(ACT_GROUP=group, HAS_BIAS=True, ROWS=rows, BLOCK_N=gv["BLOCK_N"],
-                             BLOCK_K=gv["BLOCK_K"], PDL=pdl),
-                        dict(num_warps=gv["num_warps"], launch_pdl=pdl))
+                        dict(ACT_GROUP=group, HAS_BIAS=True, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl),
+                        dict(num_warps=warps, launch_pdl=pdl))
     compile_one("amax", tq._amax_kernel, dict(x_ptr=BF16, amax_ptr=I32),
                 dict(BLOCK_M=8, BLOCK_K=1024, K_ITERS=8), dict(num_warps=16))
     compile_one("tensor_quant", tq._tensor_quant_kernel, dict(x_ptr=BF16, q_ptr=FP8, amax_ptr=I32, s_ptr=F32),

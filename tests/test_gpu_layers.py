@@ -149,8 +149,8 @@ def test_decode_pdl_launch_reads_the_fresh_activation(scheme, m, gemv, monkeypat
     equal the plain launch's bytes for that input, eager and replayed in a CUDA graph."""
     from fp8now.kernels import triton_decode, triton_fp8, triton_gemv, triton_quant
     assert gemv or m <= triton_fp8.PDL_MAX_M
-    monkeypatch.setattr(triton_fp8, "GEMV_MAX_N", {s: {r: (1 << 62) * gemv for r in (1, 2, 4, 8)}
-                                                   for s in ("tensor", "channel", "block")})
+    monkeypatch.setattr(triton_fp8, "GEMV_N", {s: {r: (0, 1 << 62) for r in (1, 2, 4)} if gemv else {}
+                                               for s in ("tensor", "channel", "block")})
     lin, layer = layer_for(4096, 4096, scheme, "triton", bias=False)
     xs = [varied((m, 4096), torch.float32, seed=m * 100 + i, spread=3).cuda().to(torch.bfloat16)
           for i in range(20)]

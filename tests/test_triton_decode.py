@@ -149,8 +149,8 @@ def test_triton_backend_decode_dispatch(scheme, m, fused_max_n, gemv, monkeypatc
     from fp8now.config import Scheme
     from fp8now.kernels import triton_fp8
     monkeypatch.setattr(triton_fp8, "FUSED_BLOCK_MAX_N", fused_max_n)
-    monkeypatch.setattr(triton_fp8, "GEMV_MAX_N", {s: {r: (1 << 62) * gemv for r in (1, 2, 4, 8)}
-                                                   for s in ("tensor", "channel", "block")})
+    monkeypatch.setattr(triton_fp8, "GEMV_N", {s: {r: (0, 1 << 62) for r in (1, 2, 4)} if gemv else {}
+                                               for s in ("tensor", "channel", "block")})
     act = "group" if scheme == "block" else "token"
     x, w_q, w_s, b = _operands(m, 160, 1024, scheme, seed=31 + m)   # K=1024: auto-split in two
     counters = split_counters(160, DEV)

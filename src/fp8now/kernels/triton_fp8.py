@@ -2,7 +2,7 @@
 
 Per call, by M (the thresholds are the dispatch data, measured on the H200, BENCHMARKS.md):
 - decode, M <= triton_decode.MAX_M (16), GPU time in CUDA graphs (benchmarks/bench_decode.py, H200):
-  - M = 1, where GEMV_MAX_N says so (channel always; tensor up to N = 6144): the Triton per-token
+  - M = 1, where GEMV_N says so (channel always; tensor up to N = 6144; block from N = 4096): the Triton
     quantizer, then `triton_gemv.gemv`, CUDA-core products with no K split and no reduction tail,
     as a programmatic dependent launch (benchmarks/probe_decode_floor.py: channel at 4096 x 4096
     9.7 against 11.5 µs for the decode kernel path below, 1.50x bf16 against 1.26x).
@@ -12,7 +12,7 @@ Per call, by M (the thresholds are the dispatch data, measured on the H200, BENC
     inside the kernel lost almost everywhere: every program first reads its rows over all of K).
     At M <= PDL_MAX_M the decode kernel is a programmatic dependent launch (sm_90): it starts while
     the quantizer runs (1.01-1.08x faster over the 12 measured rows at M = 1 and 4, mixed at 16).
-  - tensor, M = 1 above GEMV_MAX_N's N (TENSORWISE_M1): one row's per-token scale is a per-tensor
+  - tensor, M = 1 above GEMV_N's N (TENSORWISE_M1): one row's per-token scale is a per-tensor
     scale, so the Triton quantizer, then cuBLAS tensorwise `_scaled_mm` with both scales 0-d
     (1.05-1.21x faster than the decode kernel on 6 of the 7 benchmark shapes, probe_kernels.py
     m1cublas; 57344 x 8192: 116.5 vs 139.2 µs). Rowwise cuBLAS at M = 1 (channel) is slower than the
@@ -52,13 +52,15 @@ TRITON_MAX_M = {"rowwise": 64, "block": 32}   # at or below: the Triton GEMMs (s
 FUSED_BLOCK_MAX_N = 8192  # block, M = 1: quantize inside the decode kernel up to this many outputs
 PDL_MAX_M = 4             # tensor / channel decode: programmatic dependent launch up to this M
 TENSORWISE_M1 = True      # tensor scheme, M = 1: cuBLAS tensorwise instead of the decode kernel
-# M = 1: the Triton quantizer, then the CUDA-core GEMV (triton_gemv) for layers of up to this many
-# outputs N (0: never). H200, GPU time in graphs (BENCHMARKS.md, "Decode at M = 1: a GEMV"): channel
-# 1.08-1.19x faster than the decode kernel path on all 8 shapes; tensor faster than cuBLAS tensorwise
-# up to N = 6144 (1024 x 4096: 7.0 vs 15.5 µs), a tie at N = 8192, slower at N >= 28672 (37.2 vs
-# 33.6 µs); block from 19% slower to 6% faster than its decode paths, so block keeps them.
-# Keyed by scheme, then by the GEMV's row bucket (triton_gemv.rows_bucket(M): 1, 2, 4, 8); missing: never.
-GEMV_MAX_N = {"tensor": {1: 6144}, "channel": {1: 1 << 62}, "block": {}}
+# The Triton quantizer, then the CUDA-core GEMV (triton_gemv), keyed by scheme, then by the GEMV's row
+# bucket (triton_gemv.rows_bucket(M): 1, 2, 4): the range of N (inclusive) that takes it; a bucket
+# missing: never. H200, GPU time in graphs, M = 1 (BENCHMARKS.md, "Decode at M = 1: a GEMV" and "GEMV
+# launch configs by N"): channel 1.08-1.19x faster than the decode kernel path on all 8 shapes; tensor
+# faster than cuBLAS tensorwise up to N = 6144 (1024 x 4096: 7.0 vs 15.5 µs), a tie at N = 8192, slower
+# at N >= 28672; block, with its per-N configs, 1.02-1.14x faster than its decode paths at N = 4096 to
+# 57344, a tie at 8192 x 8192, 0.96x at 8192 x 28672 and 0.94x at 1024 x 4096. M = 2 and 4 lost to
+# the decode kernel on every shape but 1024 x 4096 (BENCHMARKS.md "GEMV for 2-4 rows"): no bucket.
+GEMV_N = {"tensor": {1: (0, 6144)}, "channel": {1: (0, 1 << 62)}, "block": {1: (4096, 1 << 62)}}
 BLOCK_GEMM = "torch"    # "torch" (blockwise F.scaled_mm) or "triton" above TRITON_MAX_M["block"]
 # Under torch.compile, per activation kind: quantize with numerics' torch ops, which inductor fuses
 # into the producing kernel, instead of the Triton quantizer. "group" is off. Behind SiLU x up
@@ -106,7 +108,8 @@ def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torc
     """y [M, N] = quantize(x [M, K]) @ W.T + bias in x.dtype; `counters`: the layer's split-K counters."""
     m = x.shape[0]
     if m <= triton_decode.MAX_M and not batch_invariant:
-        if m <= triton_gemv.MAX_M and w_q.shape[0] <= GEMV_MAX_N[scheme.value].get(triton_gemv.rows_bucket(m), 0):
+        lo, hi = GEMV_N[scheme.value].get(triton_gemv.rows_bucket(m), (1, 0)) if m <= triton_gemv.MAX_M else (1, 0)
+        if lo <= w_q.shape[0] <= hi:
             x_q, x_s = _group(x, early_launch=True) if scheme is Scheme.BLOCK else _token(x, early_launch=True)
             return triton_gemv.gemv(x_q, w_q, w_scale, scheme.value, bias, x_scale=x_s, out_dtype=x.dtype,
                                     pdl=True)

@@ -1,23 +1,25 @@
-"""FP8 GEMV for one token (M = 1): CUDA-core products, no tensor cores, no K split, no reduction tail.
+"""FP8 GEMV for a few tokens (M <= 4): CUDA-core products, no tensor cores, no K split, no reduction tail.
 
 At M = 1 a layer call only has to stream its FP8 weight once. The split-K decode kernel
 (`triton_decode`) feeds a 16-row MMA tile with one real row and adds its K splits through a workspace,
 a ticket and a re-read: a serial tail on every call. This kernel gives each program BLOCK_N whole
-weight rows over all of K (contiguous 1 KB loads per row), multiplies them by the activation row in
-float32 (FP8 x FP8 products are exact in float32) and sums, so nothing is written but the output.
-The activation comes pre-quantized from the Triton quantizer, launched with `early_launch` so that this
-kernel (a programmatic dependent launch) starts while it runs. H200, M = 1, CUDA graphs of 8 weight
-copies (benchmarks/probe_decode_floor.py, BENCHMARKS.md "Decode at M = 1: a GEMV"): on the FP8 row
-8.3 µs at 4096 x 4096 against 10.2 µs for the split-K decode kernel, where a Triton kernel that
-only reads the weight takes 7.4 µs. The dispatch (`triton_fp8.GEMV_M1`) uses it for channel and
-small tensor layers; for block it measured 19% slower to 6% faster than the decode paths, so
-block stays there unless the table is changed. Quantizing inside this kernel lost: every program
-quantized the whole row again (block at 4096 x 4096: 14.0 µs).
+weight rows over all of K (contiguous loads per row), multiplies them by each activation row in
+float32 (FP8 x FP8 products are exact in float32), one [BLOCK_N, BLOCK_K] accumulator per row, and
+sums once at the end, so nothing is written but the output. The activation comes pre-quantized from
+the Triton quantizer, launched with `early_launch` so that this kernel (a programmatic dependent
+launch) starts while it runs. H200, M = 1, CUDA graphs of 8 weight copies (BENCHMARKS.md "Decode at
+M = 1: a GEMV" and "GEMV launch configs by N"): on the FP8 row 8.3 µs at 4096 x 4096 against 10.2 µs
+for the split-K decode kernel, where a Triton kernel that only reads the weight takes 7.4 µs. The
+dispatch (`triton_fp8.GEMV_N`) uses it at M = 1 for channel, small tensor layers and block from
+N = 4096. Measured and not dispatched: 2 and 4 rows (the accumulators per row cost registers, so
+fewer weight bytes are in flight: slower than the decode kernel on every shape but 1024 x 4096);
+reading the first weight chunk before the programmatic-dependent wait (slower on every row);
+quantizing inside this kernel (every program quantized the whole row again).
 
 Numerics (SPEC §4): float32 products and sums.
-- tensor / channel: y = (sum_k x_q[k] w_q[n, k]) * s_x * s_w[n].
-- block: y = sum_k w_q[n, k] * (x_q[k] * (s_x[g] * s_w[n/128, g])) with g = k / 128: the scale of
-  each K-block is applied to its activation values before their products, not to their partial
+- tensor / channel: y[m, n] = (sum_k x_q[m, k] w_q[n, k]) * s_x[m] * s_w[n].
+- block: y[m, n] = sum_k w_q[n, k] * (x_q[m, k] * (s_x[m, g] * s_w[n/128, g])) with g = k / 128: the
+  scale of each K-block is applied to its activation values before their products, not to their partial
   sum (the same float32 operations in another order: rounding-level differences, far inside
   SPEC's rel_diff < 1e-4; it keeps the inner loop elementwise).
 No host synchronization: captures in CUDA graphs, runs under torch.compile.
@@ -38,10 +40,21 @@ except ImportError:  # triton_gemm's stand-ins keep the definitions parseable; a
 
 # 4 weight rows per program, 1024 of K per step, 4 warps: of 6 configs on the FP8 row (H200,
 # probe_decode_floor.py), the fastest at 4 of the 8 shapes and within 4% of the fastest at the others.
-# More rows hold ROWS x BLOCK_N x BLOCK_K float32 products per program: BLOCK_K shrinks with ROWS.
-GEMV_CONFIGS = {1: dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4),
-                2: dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4),
-                4: dict(BLOCK_N=4, BLOCK_K=512, num_warps=4)}
+# Launch configs by (ROWS, activation scales: "token" for tensor / channel, "group" for block), then by
+# N: (largest N, config) rows, the last a catch-all (triton_gemm._pick). M = 1 from a sweep of 7 configs
+# over the 8 probe shapes on the H200 (benchmarks/probe_gemv_rows.py, BENCHMARKS.md "GEMV launch
+# configs by N"); each row's config is within 3% of that shape's fastest. More rows hold ROWS x
+# BLOCK_N x BLOCK_K float32 products per program, so BLOCK_K shrinks with ROWS (measured, not dispatched).
+_C = dict(num_warps=4)
+GEMV_CONFIGS = {
+    (1, "token"): [(4096, dict(BLOCK_N=4, BLOCK_K=1024, **_C)), (None, dict(BLOCK_N=8, BLOCK_K=512, **_C))],
+    (1, "group"): [(4096, dict(BLOCK_N=8, BLOCK_K=1024, **_C)), (6144, dict(BLOCK_N=8, BLOCK_K=512, **_C)),
+                   (8192, dict(BLOCK_N=16, BLOCK_K=512, **_C)), (None, dict(BLOCK_N=8, BLOCK_K=512, **_C))],
+    (2, "token"): [(None, dict(BLOCK_N=4, BLOCK_K=1024, **_C))],
+    (2, "group"): [(None, dict(BLOCK_N=4, BLOCK_K=1024, **_C))],
+    (4, "token"): [(None, dict(BLOCK_N=4, BLOCK_K=512, **_C))],
+    (4, "group"): [(None, dict(BLOCK_N=4, BLOCK_K=512, **_C))],
+}
 MAX_M = 4
 W_KINDS = ("tensor", "channel", "block")
 
@@ -124,7 +137,7 @@ def gemv(x_q: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind: str,
 
     w_kind "tensor" (w_s 0-d / [1]) or "channel" (w_s [N, 1]) with per-token scales `x_scale` [M, 1]
     (or one per-tensor value); w_kind "block" (w_s [ceil(N/128), K/128], K % 128 == 0) with the
-    1x128-group scales `x_scale` [M, K/128] (any strides). `config` overrides GEMV_CONFIGS[ROWS]
+    1x128-group scales `x_scale` [M, K/128] (any strides). `config` overrides GEMV_CONFIGS' row for (ROWS, scales), N
     (BLOCK_N, BLOCK_K, num_warps). `pdl` (sm_90; ignored elsewhere and under torch.compile):
     launch as a programmatic dependent of the previous kernel (pair it with the quantizer's
     `early_launch=True`).
@@ -147,7 +160,7 @@ def gemv(x_q: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind: str,
         raise ValueError(f"x_q on {x2.device} but w_q on {w_q.device}")
     x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
     rows = rows_bucket(M)
-    cfg = dict(GEMV_CONFIGS[rows], **(config or {}))
+    cfg = dict(tg._pick(GEMV_CONFIGS[rows, "group" if w_kind == "block" else "token"], N), **(config or {}))
     if cfg["BLOCK_K"] & (cfg["BLOCK_K"] - 1) or cfg["BLOCK_N"] & (cfg["BLOCK_N"] - 1) or cfg["BLOCK_N"] > 128:
         raise ValueError(f"BLOCK_N (<= 128) and BLOCK_K must be powers of two, got {cfg}")
     sxm = sxk = 0
