@@ -83,6 +83,12 @@ def main():
                         dict(x_ptr=FP8, xs_ptr=F32, w_ptr=FP8, ws_ptr=F32, b_ptr=F32, y_ptr=BF16),
                         dict(ACT_GROUP=group, HAS_BIAS=True, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl),
                         dict(num_warps=warps, launch_pdl=pdl))
+    # torch.compile (inductor) may pass M = 1 as a constant despite do_not_specialize: that must compile too
+    for group in (False, True):
+        compile_one(f"gemv rows=1 group={group} M=1 constant", tv._gemv_kernel,
+                    dict(x_ptr=FP8, xs_ptr=F32, w_ptr=FP8, ws_ptr=F32, b_ptr=F32, y_ptr=BF16),
+                    dict(M=1, ACT_GROUP=group, HAS_BIAS=False, ROWS=1, BLOCK_N=4, BLOCK_K=1024, PDL=False),
+                    dict(num_warps=4))
     compile_one("amax", tq._amax_kernel, dict(x_ptr=BF16, amax_ptr=I32),
                 dict(BLOCK_M=8, BLOCK_K=1024, K_ITERS=8), dict(num_warps=16))
     compile_one("tensor_quant", tq._tensor_quant_kernel, dict(x_ptr=BF16, q_ptr=FP8, amax_ptr=I32, s_ptr=F32),

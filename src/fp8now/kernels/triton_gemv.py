@@ -64,7 +64,7 @@ def _x_row(x_ptr, xs_ptr, sw_tile, r, M, kk, k_ok, stride_xm, stride_xsm, stride
            ACT_GROUP: tl.constexpr):
     """[BLOCK_K] float32 values of activation row r (past M: a real row, never stored) at K offsets kk;
     for block each times its group's s_x[r, g] * s_w[tile, g]."""
-    rr = (r % M).to(tl.int64)
+    rr = tl.full((), r, tl.int64) % M       # a tensor even when r and M are both constants (M = 1 specialized)
     xk = tl.load(x_ptr + rr * stride_xm + kk, mask=k_ok, other=0.0).to(tl.float32)
     if ACT_GROUP:
         gk = kk // 128
@@ -79,7 +79,7 @@ def _store_row(acc, r, M, xs_ptr, ws_ptr, b_ptr, y_ptr, rn, offs_n, N, stride_xs
     """y[r, n] = sum_k acc[n, k] (times s_x[r] * s_w[n] unless block) + bias[n], for r < M."""
     y = tl.sum(acc, axis=1)
     if not ACT_GROUP:
-        y = y * (tl.load(xs_ptr + (r % M).to(tl.int64) * stride_xsm) * tl.load(ws_ptr + rn * stride_wsn))
+        y = y * (tl.load(xs_ptr + (tl.full((), r, tl.int64) % M) * stride_xsm) * tl.load(ws_ptr + rn * stride_wsn))
     if HAS_BIAS:
         y += tl.load(b_ptr + rn).to(tl.float32)
     tl.store(y_ptr + r * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty),
