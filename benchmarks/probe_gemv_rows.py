@@ -2,7 +2,8 @@
 
 `triton_gemv` takes up to 4 rows (ROWS = the next power of two of M). The runs of 2026-12-04 at
 392d13a also timed PREFETCH (the first weight chunk read before the programmatic-dependent wait,
-the next one while the current is multiplied): slower on every row, removed. This probe decides the dispatch
+the next one while the current is multiplied): slower on all 16 tensor and channel rows, block mixed;
+removed. This probe decides the dispatch
 table `triton_fp8.GEMV_N` and the launch configs `triton_gemv.GEMV_CONFIGS` from GPU time in
 CUDA graphs of 8 calls on 8 weight copies (weights from HBM, not L2), per shape and M:
 - `bf16`: `F.linear`;

@@ -13,7 +13,8 @@ for the split-K decode kernel, where a Triton kernel that only reads the weight 
 dispatch (`triton_fp8.GEMV_N`) uses it at M = 1 for channel, small tensor layers and block from
 N = 4096. Measured and not dispatched: 2 and 4 rows (the accumulators per row cost registers, so
 fewer weight bytes are in flight: slower than the decode kernel on every shape but 1024 x 4096);
-reading the first weight chunk before the programmatic-dependent wait (slower on every row);
+reading the first weight chunk before the programmatic-dependent wait (slower on all 16 tensor and
+channel rows, mixed for block);
 quantizing inside this kernel (every program quantized the whole row again).
 
 Numerics (SPEC §4): float32 products and sums.
@@ -182,5 +183,6 @@ def gemv(x_q: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind: str,
     _gemv_kernel[(tg._cdiv(N, cfg["BLOCK_N"]),)](
         x2, x_scale, w_q, w_s, bias if bias is not None else w_s, y, M, N, K, x2.stride(0), sxm, sxk,
         y.stride(0), w_q.stride(0), swn, swk, ACT_GROUP=w_kind == "block", HAS_BIAS=bias is not None,
-        ROWS=rows, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL=bool(launch), num_warps=cfg["num_warps"], **launch)
+        ROWS=rows, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL=bool(launch), num_warps=cfg["num_warps"],
+        **launch)
     return y
