@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything on the H200. Usage (through the device tool):
-#   bash benchmarks/gpu_session.sh PHASES   with PHASES a comma list of: tune,decode,floor,rows,probe,profile,tests,core,quant,linear,quick,memory,model
+#   bash benchmarks/gpu_session.sh PHASES   with PHASES a comma list of: tune,decode,floor,rows,regs,probe,profile,tests,core,quant,linear,quick,memory,model
 # Results land in $OUT (JSON + logs); the short tables print last.
 set -uo pipefail
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
@@ -33,6 +33,9 @@ fi
 if has rows; then  # ROWS_SHAPES (N x K list), ROWS_M: benchmarks/probe_gemv_rows.py
   timeout 400 env PYTHONPATH=$PYTHONPATH:$PWD/benchmarks OUT="$OUT" python3 benchmarks/probe_gemv_rows.py 2>&1 \
     | tee "$OUT/gemv_rows.log" | tail -${ROWS_TAIL:-150} || rc=1
+fi
+if has regs; then  # registers / spills of the GEMV configs as this image's Triton compiles them
+  python3 benchmarks/kernel_registers.py 2>&1 | grep -v -i warn | tee "$OUT/kernel_registers.log" | tail -45
 fi
 if has probe; then  # PROBE: sections of benchmarks/probe_kernels.py (default all)
   timeout 400 env PYTHONPATH=$PYTHONPATH:$PWD/benchmarks python3 benchmarks/probe_kernels.py ${PROBE:-} 2>&1 \

@@ -27,16 +27,21 @@ from fp8now.numerics import E4M3FN, GROUP_AMAX_FLOOR  # noqa: E402
 FP8, F32, BF16, I32 = "*fp8e4nv", "*fp32", "*bf16", "*i32"
 
 
-def compile_one(name, kernel, pointers, consts, options, cap=90, scalars=None):
-    """Compile `kernel` with pointer types `pointers` (by parameter name), every other runtime
-    parameter an i32 (or as `scalars` says), constexprs `consts`; one JSON line about the result."""
+def ptx_of(kernel, pointers, consts, options, cap=90, scalars=None) -> str:
+    """The PTX of `kernel` for compute capability `cap`, with pointer types `pointers` (by parameter
+    name), every other runtime parameter an i32 (or as `scalars` says), constexprs `consts`."""
     params = list(inspect.signature(kernel.fn).parameters)
     scalars = scalars or {}
     sig = {p: "constexpr" if p in consts else pointers.get(p, scalars.get(p, "i32")) for p in params}
     src = ASTSource(kernel, sig, constexprs={(params.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", cap, 32), options=options).asm["ptx"]
+
+
+def compile_one(name, kernel, pointers, consts, options, cap=90, scalars=None):
+    """Compile `kernel` (arguments as for `ptx_of`); one JSON line about the result."""
     row = dict(kernel=name)
     try:
-        ptx = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=options).asm["ptx"]
+        ptx = ptx_of(kernel, pointers, consts, options, cap, scalars)
         wait = ptx.find("griddepcontrol.wait")
         row.update(ok=True, gdc_wait=wait >= 0, load_before_wait=wait > ptx.find("ld.global") >= 0,
                    gdc_launch="griddepcontrol.launch_dependents" in ptx,

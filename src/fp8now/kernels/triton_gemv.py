@@ -14,8 +14,8 @@ dispatch (`triton_fp8.GEMV_N`) uses it at M = 1 for channel, small tensor layers
 N = 4096. Measured and not dispatched: 2 and 4 rows (the accumulators per row cost registers, so
 fewer weight bytes are in flight: slower than the decode kernel on every shape but 1024 x 4096);
 reading the first weight chunk before the programmatic-dependent wait (slower on all 16 tensor and
-channel rows, mixed for block);
-quantizing inside this kernel (every program quantized the whole row again).
+channel rows, mixed for block); quantizing inside this kernel (every program quantized the whole row
+again).
 
 Numerics (SPEC §4): float32 products and sums.
 - tensor / channel: y[m, n] = (sum_k x_q[m, k] w_q[n, k]) * s_x[m] * s_w[n].
@@ -39,8 +39,6 @@ except ImportError:  # triton_gemm's stand-ins keep the definitions parseable; a
     triton, tl = tg.triton, tg.tl
     gdc_wait = None
 
-# 4 weight rows per program, 1024 of K per step, 4 warps: of 6 configs on the FP8 row (H200,
-# probe_decode_floor.py), the fastest at 4 of the 8 shapes and within 4% of the fastest at the others.
 # Launch configs by (ROWS, activation scales: "token" for tensor / channel, "group" for block), then by
 # N: (largest N, config) rows, the last a catch-all (triton_gemm._pick). M = 1 from a sweep of 7 configs
 # over the 8 probe shapes on the H200 (benchmarks/probe_gemv_rows.py, BENCHMARKS.md "GEMV launch
@@ -138,8 +136,8 @@ def gemv(x_q: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind: str,
 
     w_kind "tensor" (w_s 0-d / [1]) or "channel" (w_s [N, 1]) with per-token scales `x_scale` [M, 1]
     (or one per-tensor value); w_kind "block" (w_s [ceil(N/128), K/128], K % 128 == 0) with the
-    1x128-group scales `x_scale` [M, K/128] (any strides). `config` overrides GEMV_CONFIGS' row for (ROWS, scales), N
-    (BLOCK_N, BLOCK_K, num_warps). `pdl` (sm_90; ignored elsewhere and under torch.compile):
+    1x128-group scales `x_scale` [M, K/128] (any strides). `config` (BLOCK_N, BLOCK_K, num_warps)
+    overrides the config GEMV_CONFIGS picks for this ROWS, scale kind and N. `pdl` (sm_90; ignored elsewhere and under torch.compile):
     launch as a programmatic dependent of the previous kernel (pair it with the quantizer's
     `early_launch=True`).
     """
