@@ -23,7 +23,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-from sm90_compile import BF16, F32, FP8, ptx_of  # noqa: E402
+from sm90_compile import GEMM_PTRS, ptx_of  # noqa: E402
 from fp8now.kernels import triton_gemv as tv  # noqa: E402
 
 NEIGHBOURS = [(4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 512, 4), (4, 512, 4), (4, 256, 4), (2, 512, 4)]
@@ -58,10 +58,9 @@ def main() -> None:
         sys.exit("run without TRITON_INTERPRET: the interpreter replaces the kernels")
     shipped = {(rows, act): {(c["BLOCK_N"], c["BLOCK_K"], c["num_warps"]) for _, c in table}
                for (rows, act), table in tv.GEMV_CONFIGS.items()}
-    ptrs = dict(x_ptr=FP8, xs_ptr=F32, w_ptr=FP8, ws_ptr=F32, b_ptr=F32, y_ptr=BF16)
     for (rows, act), mine in shipped.items():
         for bn, bk, warps in sorted(mine | set(NEIGHBOURS)):
-            ptx = ptx_of(tv._gemv_kernel, ptrs, dict(ACT_GROUP=act == "group", HAS_BIAS=False, ROWS=rows,
+            ptx = ptx_of(tv._gemv_kernel, GEMM_PTRS, dict(ACT_GROUP=act == "group", HAS_BIAS=False, ROWS=rows,
                                                      BLOCK_N=bn, BLOCK_K=bk, PDL=True), dict(num_warps=warps))
             regs, spill = ptxas_report(ptx)
             per_sm = min(65536 // (regs * 32 * warps), 32)

@@ -137,6 +137,64 @@ def gemv_table(table: dict | None):
         tf.GEMV_N.update(saved)
 
 
+def env_shapes(var: str, default: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(N, K) shapes from env `var` ("NxK,NxK,..."), else `default`."""
+    if not os.environ.get(var):
+        return default
+    return [tuple(int(v) for v in s.split("x")) for s in os.environ[var].split(",")]
+
+
+def recorder(path: str):
+    """(rows, add): add(**row) appends a result row and rewrites `path` (a device call cut off keeps them)."""
+    rows: list[dict] = []
+
+    def add(**r):
+        rows.append(r)
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows, add
+
+
+def weight_copies(w: torch.Tensor):
+    """COPIES clones of the bf16 weight, of its FP8 form per scheme, and split-K counters (HBM, not L2)."""
+    from fp8now.kernels import split_counters
+    from fp8now.numerics import quantize_weight
+    ws = [w.clone() for _ in range(COPIES)]
+    wq = {sch: [tuple(t.clone() for t in quantize_weight(w, sch)) for _ in range(COPIES)]
+          for sch in ("tensor", "channel", "block")}
+    return ws, wq, [split_counters(w.shape[0], w.device) for _ in range(COPIES)]
+
+
+def layer_calls(x: torch.Tensor, wq: dict, cnt: list):
+    """layer(scheme, i): the triton backend's call on weight copy i, as Fp8Linear makes it."""
+    from fp8now.config import Scheme
+    from fp8now.kernels import triton_fp8 as tf
+    return lambda sch, i: (lambda: tf.linear(x, *wq[sch][i], None, Scheme(sch), ACT[sch], counters=cnt[i]))
+
+
+def timer(add, base: dict):
+    """timed(impl, make, table): GPU µs per call of make(i)() (weight copy i) in graphs of COPIES calls,
+    with triton_fp8.GEMV_N = `table` while capturing (gemv_table); a failing variant records why."""
+    def timed(impl, make, table=None):
+        try:
+            with gemv_table(table):
+                add(impl=impl, us=1e3 * graph_ms(make, COPIES, 5, 30), **base)
+        except Exception as e:  # one variant failing must not cost the rest of the call
+            add(impl=impl, fail=f"{type(e).__name__}: {e}"[:300], **base)
+    return timed
+
+
+def gemv_vs_decode(add, base: dict, layer, sch: str, on: dict) -> None:
+    """Records SPEC's rel_diff between the layer with the GEMV table `on` and without the GEMV."""
+    from fp8now.numerics import rel_diff
+    outs = []
+    for table in ({}, on):
+        with gemv_table(table):
+            outs.append(layer(sch, 0)().float())
+    err = rel_diff(outs[1], outs[0])   # both bf16 outputs of the same FP8 operands
+    add(impl=f"{sch}-gemv-vs-decode", rel_diff=err, ok=err < 1e-4, **base)
+
+
 def check(n: int, k: int, device: str, seed: int) -> list[dict]:
     """Every GEMV config against the float64 product, the stream sums against torch's: failures raise."""
     _, _, x_q, x_s, w_q, w_s = operands(n, k, device, seed)
@@ -160,10 +218,7 @@ def check(n: int, k: int, device: str, seed: int) -> list[dict]:
 
 
 def main() -> None:
-    from fp8now.config import Scheme
-    from fp8now.kernels import split_counters, triton_decode as td, triton_fp8 as tf, triton_gemv as tv
-    from fp8now.kernels import triton_quant as tq
-    from fp8now.numerics import quantize_weight, rel_diff
+    from fp8now.kernels import triton_decode as td, triton_gemv as tv, triton_quant as tq
 
     def gemv_token(x, wq, pdl):
         q, s = tq.quantize_act_token(x, early_launch=pdl)
@@ -180,39 +235,18 @@ def main() -> None:
                 print(r)
         print("checks passed")
         return
-    out_path = os.path.join(os.environ.get("OUT", "."), "floor.json")
-    shapes = SHAPES
-    if os.environ.get("FLOOR_SHAPES"):
-        shapes = [tuple(int(v) for v in s.split("x")) for s in os.environ["FLOOR_SHAPES"].split(",")]
+    shapes = env_shapes("FLOOR_SHAPES", SHAPES)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rows: list[dict] = []
-
-    def add(**r):
-        rows.append(r)
-        with open(out_path, "w") as f:
-            json.dump(rows, f, indent=1)
+    rows, add = recorder(os.path.join(os.environ.get("OUT", "."), "floor.json"))
 
     for n, k in shapes:
         rows += check(n, k, "cuda", seed=n + k)
         x, w, x_q, x_s, w_q, w_s = operands(n, k, "cuda", seed=n + 3 * k)
-        ws = [w.clone() for _ in range(COPIES)]
-        wq = {sch: [tuple(t.clone() for t in quantize_weight(w, sch)) for _ in range(COPIES)]
-              for sch in ("tensor", "channel", "block")}
-        cnt = [split_counters(n, "cuda") for _ in range(COPIES)]
+        ws, wq, cnt = weight_copies(w)
         sink = [torch.zeros(1 << 16, dtype=torch.int32, device="cuda") for _ in range(COPIES)]
         tiles, splits, _ = decode_grid(n, k, "cuda")
         base = dict(N=n, K=k, M=1, weight_mb=n * k / 1e6)
-
-        def timed(impl, make, gemv_m1=None):
-            """GPU µs per call of make(i)() (weight copy i), with triton_fp8.GEMV_N = gemv_m1 while capturing."""
-            try:
-                with gemv_table(gemv_m1):
-                    add(impl=impl, us=1e3 * graph_ms(make, COPIES, 5, 30), **base)
-            except Exception as e:  # one variant failing must not cost the rest of the call
-                add(impl=impl, fail=f"{type(e).__name__}: {e}"[:300], **base)
-
-        def layer(sch, i):   # the triton backend's call, as Fp8Linear makes it
-            return lambda: tf.linear(x, *wq[sch][i], None, Scheme(sch), ACT[sch], counters=cnt[i])
+        timed, layer = timer(add, base), layer_calls(x, wq, cnt)
 
         timed("bf16", lambda i: (lambda: torch.nn.functional.linear(x, ws[i])))
         # floors
@@ -226,15 +260,10 @@ def main() -> None:
         timed("quantizer-group", lambda i: (lambda: tq.quantize_act_group(x)))
         # the layer as dispatched: split-K decode paths (GEMV off) against the GEMV; first their outputs
         for sch in ("tensor", "channel", "block"):
-            outs = []
-            for table in ({}, {sch: {1: (0, 1 << 62)}}):
-                with gemv_table(table):
-                    outs.append(layer(sch, 0)().float())
-            err = rel_diff(outs[1], outs[0])   # SPEC's metric; both bf16 outputs of the same FP8 operands
-            add(impl=f"{sch}-gemv-vs-decode", rel_diff=err, ok=err < 1e-4, **base)
+            gemv_vs_decode(add, base, layer, sch, {sch: {1: (0, 1 << 62)}})
         for sch in ("tensor", "channel", "block"):
-            timed(f"{sch}-decode", lambda i, sch=sch: layer(sch, i), gemv_m1={})
-            timed(f"{sch}-gemv", lambda i, sch=sch: layer(sch, i), gemv_m1={sch: {1: (0, 1 << 62)}})
+            timed(f"{sch}-decode", lambda i, sch=sch: layer(sch, i), {})
+            timed(f"{sch}-gemv", lambda i, sch=sch: layer(sch, i), {sch: {1: (0, 1 << 62)}})
         timed("decode-prequant", lambda i: (lambda: td.decode_linear(
             x_q, *wq["channel"][i], "channel", "token", x_scale=x_s, counters=cnt[i], out_dtype=torch.bfloat16)))
         timed("cublas-tensorwise-prequant", lambda i: (lambda: torch._scaled_mm(

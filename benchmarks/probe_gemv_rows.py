@@ -20,19 +20,15 @@ list; ROWS_M, a list of M; OUT, where gemv_rows.json goes).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 
 import torch
 
-from bench_linear import graph_ms, varied
-from probe_decode_floor import COPIES, gemv_table
+from bench_linear import varied
+from probe_decode_floor import SHAPES, env_shapes, gemv_vs_decode, layer_calls, recorder, timer, weight_copies
 
-SHAPES = [(1024, 4096), (4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (8192, 8192), (57344, 8192),
-          (8192, 28672)]
 M_VALUES = [1, 2, 3, 4]
-ACT = {"tensor": "token", "channel": "token", "block": "group"}
 CONFIGS = {1: [(4, 1024, 4), (8, 1024, 4), (8, 512, 4), (16, 512, 4), (4, 512, 4), (8, 2048, 4), (8, 256, 2)],
            2: [(4, 512, 4), (2, 1024, 4), (8, 512, 4), (4, 1024, 8)],
            4: [(4, 256, 4), (2, 512, 4), (4, 1024, 4), (8, 256, 4)]}
@@ -52,59 +48,31 @@ def gemv_config(rows: int, **override):
 
 
 def main() -> None:
-    from fp8now.config import Scheme
-    from fp8now.kernels import split_counters, triton_fp8 as tf, triton_gemv as tv
-    from fp8now.numerics import quantize_weight, rel_diff
+    from fp8now.kernels import triton_gemv as tv
 
-    out_path = os.path.join(os.environ.get("OUT", "."), "gemv_rows.json")
-    shapes, ms = SHAPES, M_VALUES
-    if os.environ.get("ROWS_SHAPES"):
-        shapes = [tuple(int(v) for v in s.split("x")) for s in os.environ["ROWS_SHAPES"].split(",")]
+    shapes, ms = env_shapes("ROWS_SHAPES", SHAPES), M_VALUES
     if os.environ.get("ROWS_M"):
         ms = [int(v) for v in os.environ["ROWS_M"].split(",")]
-    rows: list[dict] = []
-
-    def add(**r):
-        rows.append(r)
-        with open(out_path, "w") as f:
-            json.dump(rows, f, indent=1)
+    rows, add = recorder(os.path.join(os.environ.get("OUT", "."), "gemv_rows.json"))
 
     for n, k in shapes:
-        w = varied(n, k, n + k, "cuda")
-        ws = [w.clone() for _ in range(COPIES)]
-        wq = {sch: [tuple(t.clone() for t in quantize_weight(w, sch)) for _ in range(COPIES)]
-              for sch in ("tensor", "channel", "block")}
-        cnt = [split_counters(n, "cuda") for _ in range(COPIES)]
+        ws, wq, cnt = weight_copies(varied(n, k, n + k, "cuda"))
         for m in ms:
             x = varied(m, k, n + 3 * k + m, "cuda")
             bucket = tv.rows_bucket(m)
             on = {sch: {bucket: (0, 1 << 62)} for sch in ("tensor", "channel", "block")}
             base = dict(N=n, K=k, M=m, weight_mb=n * k / 1e6)
-
-            def layer(sch, i):   # the triton backend's call, as Fp8Linear makes it
-                return lambda: tf.linear(x, *wq[sch][i], None, Scheme(sch), ACT[sch], counters=cnt[i])
-
-            def timed(impl, make, table=None):
-                try:
-                    with gemv_table(table):
-                        add(impl=impl, us=1e3 * graph_ms(make, COPIES, 5, 30), **base)
-                except Exception as e:  # one variant failing must not cost the rest of the call
-                    add(impl=impl, fail=f"{type(e).__name__}: {e}"[:300], **base)
+            timed, layer = timer(add, base), layer_calls(x, wq, cnt)
 
             timed("bf16", lambda i: (lambda: torch.nn.functional.linear(x, ws[i])))
             for sch in ("tensor", "channel", "block"):
-                outs = []
-                for table in ({}, on):
-                    with gemv_table(table):
-                        outs.append(layer(sch, 0)().float())
-                err = rel_diff(outs[1], outs[0])
-                add(impl=f"{sch}-gemv-vs-decode", rel_diff=err, ok=err < 1e-4, **base)
-                timed(f"{sch}-decode", lambda i, sch=sch: layer(sch, i), table={})
-                timed(f"{sch}-gemv", lambda i, sch=sch: layer(sch, i), table=on)
+                gemv_vs_decode(add, base, layer, sch, on)
+                timed(f"{sch}-decode", lambda i, sch=sch: layer(sch, i), {})
+                timed(f"{sch}-gemv", lambda i, sch=sch: layer(sch, i), on)
             for bn, bk, warps in CONFIGS.get(bucket, []):
                 with gemv_config(bucket, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps):
                     for sch in ("channel", "block") if m == 1 else ("channel",):
-                        timed(f"{sch}-gemv-{bn}x{bk}-w{warps}", lambda i, sch=sch: layer(sch, i), table=on)
+                        timed(f"{sch}-gemv-{bn}x{bk}-w{warps}", lambda i, sch=sch: layer(sch, i), on)
         del ws, wq, cnt
         torch.cuda.empty_cache()
         print(f"{n}x{k} done", file=sys.stderr, flush=True)

@@ -25,6 +25,8 @@ from fp8now.kernels import triton_decode as td, triton_gemm as tg, triton_gemv a
 from fp8now.numerics import E4M3FN, GROUP_AMAX_FLOOR  # noqa: E402
 
 FP8, F32, BF16, I32 = "*fp8e4nv", "*fp32", "*bf16", "*i32"
+# pointer types of the FP8 GEMMs and the GEMV (x, its scales, w, its scales, bias, out)
+GEMM_PTRS = dict(x_ptr=FP8, xs_ptr=F32, w_ptr=FP8, ws_ptr=F32, b_ptr=F32, y_ptr=BF16)
 
 
 def ptx_of(kernel, pointers, consts, options, cap=90, scalars=None) -> str:
@@ -85,13 +87,12 @@ def main():
     for rows, group, bn, bk, warps in sorted(gemvs):
         for pdl in (False, True):
             compile_one(f"gemv rows={rows} group={group} {bn}x{bk}-w{warps} pdl={pdl}", tv._gemv_kernel,
-                        dict(x_ptr=FP8, xs_ptr=F32, w_ptr=FP8, ws_ptr=F32, b_ptr=F32, y_ptr=BF16),
+                        GEMM_PTRS,
                         dict(ACT_GROUP=group, HAS_BIAS=True, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl),
                         dict(num_warps=warps, launch_pdl=pdl))
     # torch.compile (inductor) may pass M = 1 as a constant despite do_not_specialize: that must compile too
     for group in (False, True):
-        compile_one(f"gemv rows=1 group={group} M=1 constant", tv._gemv_kernel,
-                    dict(x_ptr=FP8, xs_ptr=F32, w_ptr=FP8, ws_ptr=F32, b_ptr=F32, y_ptr=BF16),
+        compile_one(f"gemv rows=1 group={group} M=1 constant", tv._gemv_kernel, GEMM_PTRS,
                     dict(M=1, ACT_GROUP=group, HAS_BIAS=False, ROWS=1, BLOCK_N=4, BLOCK_K=1024, PDL=False),
                     dict(num_warps=4))
     compile_one("amax", tq._amax_kernel, dict(x_ptr=BF16, amax_ptr=I32),
@@ -100,7 +101,7 @@ def main():
                 dict(FMAX=E4M3FN.fmax, FLOOR=E4M3FN.min_scale, BLOCK_M=4, BLOCK_K=2048), dict(num_warps=16))
     compile_one("block_quant", tq._block_quant_kernel, dict(w_ptr=BF16, q_ptr=FP8, s_ptr=F32),
                 dict(FMAX=E4M3FN.fmax, FLOOR=1e-4, BLOCK=128), dict(num_warps=8))
-    g = dict(x_ptr=FP8, xs_ptr=F32, w_ptr=FP8, ws_ptr=F32, b_ptr=F32, y_ptr=BF16)
+    g = GEMM_PTRS
     for bound, c in tg._BLOCK_TABLE:
         t = dict(BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"])
         o = dict(num_warps=c["num_warps"], num_stages=c["num_stages"])

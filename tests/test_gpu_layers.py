@@ -143,10 +143,10 @@ def test_batch_invariant(scheme):
                                            (Scheme.BLOCK, 3, True), (Scheme.CHANNEL, 4, False),
                                            (Scheme.TENSOR, 4, False)])
 def test_decode_pdl_launch_reads_the_fresh_activation(scheme, m, gemv, monkeypatch):
-    """The GEMM starts while the quantizer still runs (programmatic dependent launch), the GEMV (forced
-    on for every scheme and M <= 4 here) and the decode
-    kernel at M = 4. Each call's input is written by a kernel right before the call: every output must
-    equal the plain launch's bytes for that input, eager and replayed in a CUDA graph."""
+    """The GEMM starts while the quantizer still runs (programmatic dependent launch): the GEMV (forced
+    on for every scheme and M <= 4 here) and the decode kernel at M = 4. Each call's input is written
+    by a kernel right before the call: every output must equal the plain launch's bytes for that
+    input, eager and replayed in a CUDA graph."""
     from fp8now.kernels import triton_decode, triton_fp8, triton_gemv, triton_quant
     assert gemv or m <= triton_fp8.PDL_MAX_M
     monkeypatch.setattr(triton_fp8, "GEMV_N", {s: {r: (0, 1 << 62) for r in (1, 2, 4)} if gemv else {}

@@ -59,11 +59,18 @@ W_KINDS = ("tensor", "channel", "block")
 
 
 @triton.jit
+def _wrapped_row(r, M):
+    """Row r of the activation as an int64 tensor, wrapped onto a real row past M (never stored); a
+    tensor even when r and M are both constants (torch.compile may pass M = 1 as one)."""
+    return tl.full((), r, tl.int64) % M
+
+
+@triton.jit
 def _x_row(x_ptr, xs_ptr, sw_tile, r, M, kk, k_ok, stride_xm, stride_xsm, stride_xsk, stride_wsk,
            ACT_GROUP: tl.constexpr):
     """[BLOCK_K] float32 values of activation row r (past M: a real row, never stored) at K offsets kk;
     for block each times its group's s_x[r, g] * s_w[tile, g]."""
-    rr = tl.full((), r, tl.int64) % M       # a tensor even when r and M are both constants (M = 1 specialized)
+    rr = _wrapped_row(r, M)
     xk = tl.load(x_ptr + rr * stride_xm + kk, mask=k_ok, other=0.0).to(tl.float32)
     if ACT_GROUP:
         gk = kk // 128
@@ -78,7 +85,7 @@ def _store_row(acc, r, M, xs_ptr, ws_ptr, b_ptr, y_ptr, rn, offs_n, N, stride_xs
     """y[r, n] = sum_k acc[n, k] (times s_x[r] * s_w[n] unless block) + bias[n], for r < M."""
     y = tl.sum(acc, axis=1)
     if not ACT_GROUP:
-        y = y * (tl.load(xs_ptr + (tl.full((), r, tl.int64) % M) * stride_xsm) * tl.load(ws_ptr + rn * stride_wsn))
+        y = y * (tl.load(xs_ptr + _wrapped_row(r, M) * stride_xsm) * tl.load(ws_ptr + rn * stride_wsn))
     if HAS_BIAS:
         y += tl.load(b_ptr + rn).to(tl.float32)
     tl.store(y_ptr + r * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty),
