@@ -36,6 +36,12 @@ Sections (argv: a comma list, default all):
   DCFG_SHAPES (N x K list, default 4096x4096,6144x4096,8192x8192), DCFG_M (default
   1,4,16), DCFG_BUDGET_S (default 330: stops sweeping, keeps what it has), DCFG_SPLITS (only the
   shipped tile at these SPLIT_K values, e.g. 1,2,3,4,6,8).
+- `decodex`: the decode kernel's K splits added by pairwise exchanges (`triton_decode._exchange`, no
+  ticket, no fence) against the ticket reduction, same tiles and splits, for channel (Triton quantizer +
+  decode kernel, PDL at M <= 4) and block (pre-quantized groups), with the shipped layer
+  (`triton_fp8.linear`) as reference; every config checked against the float64 product, exchange
+  results also bit-identical over 20 graph replays. Env DX_SHAPES (default
+  4096x4096,6144x4096,4096x14336,8192x8192), DX_M (default 1,2,4,8,16), DX_BUDGET_S (default 300).
 
 `PYTHONPATH=src:benchmarks python benchmarks/probe_kernels.py [sections]`
 """
@@ -694,14 +700,18 @@ def decode_configs() -> list[dict]:
     return out
 
 
+def env_cases(prefix: str, shapes: str, ms: str) -> tuple[list[tuple[int, int]], list[int]]:
+    """(N, K) shapes from env PREFIX_SHAPES ("NxK,..."), M values from PREFIX_M, else the defaults."""
+    return ([tuple(int(v) for v in sh.split("x")) for sh in os.environ.get(f"{prefix}_SHAPES", shapes).split(",")],
+            [int(v) for v in os.environ.get(f"{prefix}_M", ms).split(",")])
+
+
 def section_decodecfg():
     from fp8now.kernels import split_counters, triton_decode as td, triton_quant as tq
     from fp8now.numerics import quantize_weight
     copies, t0 = 8, time.time()
     budget = float(os.environ.get("DCFG_BUDGET_S", "330"))
-    shapes = [tuple(int(v) for v in sh.split("x")) for sh in
-              os.environ.get("DCFG_SHAPES", "4096x4096,6144x4096,8192x8192").split(",")]
-    ms = [int(v) for v in os.environ.get("DCFG_M", "1,4,16").split(",")]
+    shapes, ms = env_cases("DCFG", "4096x4096,6144x4096,8192x8192", "1,4,16")
     configs = decode_configs()
     for n, k in shapes:
         if time.time() - t0 > budget:
@@ -747,6 +757,95 @@ def section_decodecfg():
         del w, wq, cnt
         torch.cuda.empty_cache()
         print(f"decodecfg {n}x{k} done at {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+
+
+def section_decodex():
+    from fp8now.config import Scheme
+    from fp8now.kernels import split_counters, triton_decode as td, triton_fp8, triton_gemm, triton_quant as tq
+    from fp8now.numerics import quantize_weight
+    copies, t0 = 8, time.time()
+    budget = float(os.environ.get("DX_BUDGET_S", "300"))
+    shapes, ms = env_cases("DX", "4096x4096,6144x4096,4096x14336,8192x8192", "1,2,4,8,16")
+    grid = [dict(td.DECODE_CONFIG, BLOCK_N=bn, num_stages=st, SPLIT_K=sp)
+            for bn in (64, 32) for st in (4, 6) for sp in (2, 4, 8)]
+    for n, k in shapes:
+        w = varied(n, k, seed=n + 7 * k, device="cuda")
+        wq = {sc: [tuple(t.clone() for t in quantize_weight(w, sc)) for _ in range(copies)]
+              for sc in ("channel", "block")}
+        wt = [tuple(t.clone() for t in quantize_weight(w, "tensor")) for _ in range(copies)]
+        cnt = [split_counters(n, "cuda") for _ in range(copies)]
+        slots = {sp: [td.exchange_slots(n, sp, "cuda") for _ in range(copies)] for sp in (2, 4, 8)}
+        for m in ms:
+            if time.time() - t0 > budget:
+                add(sec="decodex", impl="budget", fail=f"budget {budget:.0f} s spent", M=m, N=n, K=k)
+                break
+            x = varied(m, k, seed=m + n + 3, device="cuda")
+            base = dict(sec="decodex", M=m, N=n, K=k)
+            add(impl="bf16", graph=graph_ms(lambda i: (lambda: torch.nn.functional.linear(x, w)), copies, 5, 20),
+                **base)
+            for sc in ("channel", "block", "tensor"):
+                scheme = Scheme(sc)
+                act = "group" if sc == "block" else "token"
+                wsc = wt if sc == "tensor" else wq[sc]
+                add(impl=f"{sc}-shipped", graph=graph_ms(lambda i, wsc=wsc, scheme=scheme, act=act: (
+                    lambda: triton_fp8.linear(x, *wsc[i], None, scheme, act, counters=cnt[i])), copies, 3, 10),
+                    **base)
+            if m > 1:  # the plan before the few-split rows: auto splits and the ticket; block's split-K GEMM
+                def auto_channel(i):
+                    q, s = tq.quantize_act_token(x, early_launch=m <= 4)
+                    return td.decode_linear(q, *wq["channel"][i], "channel", "token", x_scale=s, counters=cnt[i],
+                                            pdl=m <= 4)
+
+                def auto_block(i):
+                    q, s = tq.quantize_act_group(x)
+                    return triton_gemm.block_gemm(q, s, *wq["block"][i], None, torch.bfloat16)
+                for sc, fn in (("channel", auto_channel), ("block", auto_block)):
+                    add(impl=f"{sc}-auto", graph=graph_ms(lambda i, fn=fn: (lambda: fn(i)), copies, 3, 10), **base)
+            if os.environ.get("DX_GRID", "1") == "0":
+                continue
+
+            def call(i, sc, cfg, xch, out=torch.bfloat16):
+                sl = slots[cfg["SPLIT_K"]][i] if xch else None
+                if sc == "channel":
+                    pdl = m <= 4
+                    q, s = tq.quantize_act_token(x, early_launch=pdl)
+                    return td.decode_linear(q, *wq[sc][i], sc, "token", x_scale=s, counters=cnt[i], config=cfg,
+                                            pdl=pdl, out_dtype=out, slots=sl)
+                q, s = tq.quantize_act_group(x)
+                return td.decode_linear(q, *wq[sc][i], sc, "group", x_scale=s, counters=cnt[i], config=cfg,
+                                        out_dtype=out, slots=sl)
+
+            exact = {"channel": exact_product(*tq.quantize_act_token(x), *wq["channel"][0], "channel"),
+                     "block": exact_product(*tq.quantize_act_group(x), *wq["block"][0], "block")}
+            for sc in ("channel", "block"):
+                for cfg in grid:
+                    if sc == "block" and cfg["num_stages"] == 6:
+                        continue
+                    for xch in (False, True):
+                        tag = dict(BLOCK_N=cfg["BLOCK_N"], stages=cfg["num_stages"], splits=cfg["SPLIT_K"],
+                                   reduce="exchange" if xch else "ticket")
+                        try:
+                            err = rel(call(0, sc, cfg, xch, torch.float32), exact[sc])
+                            row = dict(impl=sc, cfg=tag, err=err)
+                            if xch:  # the same bytes whoever arrives second, replay after replay
+                                y0 = call(0, sc, cfg, xch)
+                                g = torch.cuda.CUDAGraph()
+                                with torch.cuda.graph(g):
+                                    y = call(0, sc, cfg, xch)
+                                same = True
+                                for _ in range(20):
+                                    g.replay()
+                                    same &= bool(torch.equal(y, y0))
+                                row["same_bytes_20_replays"] = same
+                                row["slots_empty"] = bool((slots[cfg["SPLIT_K"]][0] == td.EMPTY).all())
+                            row["graph"] = graph_ms(lambda i, cfg=cfg, sc=sc, xch=xch: (
+                                lambda: call(i, sc, cfg, xch)), copies, 3, 10)
+                            add(**row, **base)
+                        except Exception as e:
+                            add(impl=sc, cfg=tag, fail=f"{type(e).__name__}: {e}"[:200], **base)
+        del w, wq, wt, cnt, slots
+        torch.cuda.empty_cache()
+        print(f"decodex {n}x{k} done at {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
 
 
 def bf16_times(sec: str, field: str = "ms") -> dict:
@@ -866,6 +965,36 @@ def table():
             line += (f" | {1e3 * r['graph']:6.1f} ({bfd[(m, n, k)] / r['graph']:4.2f}x) n{c['BLOCK_N']}"
                      f" w{c['num_warps']} s{c['num_stages']} k{c['SPLIT_K']}")
         print(line + (f" [{bad} failed/off]" if bad else ""))
+    print("\n== decodex (graph us; x = bf16 / this; per config ticket -> exchange; best of each)")
+    bfd = bf16_times("decodex", "graph")
+    for key in sorted({(r["N"], r["K"], r["M"]) for r in ROWS if r.get("sec") == "decodex" and "M" in r}):
+        n, k, m = key
+        rs = [r for r in ROWS if r.get("sec") == "decodex" and (r.get("N"), r.get("K"), r.get("M")) == key]
+        for sc in ("channel", "block"):
+            ship = [r for r in rs if r["impl"] == f"{sc}-shipped" and "graph" in r]
+            best = {}
+            bad = 0
+            for r in rs:
+                if r["impl"] != sc:
+                    continue
+                if "graph" not in r or r["err"] >= 1e-5 or not r.get("same_bytes_20_replays", True) \
+                        or not r.get("slots_empty", True):
+                    bad += 1
+                    continue
+                red = r["cfg"]["reduce"]
+                if red not in best or r["graph"] < best[red]["graph"]:
+                    best[red] = r
+            line = f"{n:>6} {k:>6} {m:>3} {sc:8}"
+            if ship:
+                line += f" shipped {1e3 * ship[0]['graph']:6.1f} ({bfd[(m, n, k)] / ship[0]['graph']:4.2f}x)"
+            for r in rs:
+                if r["impl"] in (f"{sc}-auto",) + (("tensor-shipped",) if sc == "channel" else ()):
+                    line += f" | {r['impl']} {1e3 * r['graph']:6.1f} ({bfd[(m, n, k)] / r['graph']:4.2f}x)"
+            for red, r in sorted(best.items()):
+                c = r["cfg"]
+                line += (f" | {red} {1e3 * r['graph']:6.1f} ({bfd[(m, n, k)] / r['graph']:4.2f}x)"
+                         f" n{c['BLOCK_N']} s{c['stages']} k{c['splits']}")
+            print(line + (f" [{bad} failed/off]" if bad else ""))
     print("\n== decode (graph us; x = bf16 / this)")
     bfd = bf16_times("decode", "graph")
     for r in ROWS:

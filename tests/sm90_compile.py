@@ -60,14 +60,15 @@ def main():
     floors = dict(FMAX=E4M3FN.fmax, TOKEN_FLOOR=E4M3FN.min_scale, GROUP_FLOOR=GROUP_AMAX_FLOOR)
     tiles = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
     opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    for group, quant, pdl in [(False, False, False), (False, False, True), (False, True, False),
-                              (True, False, False), (True, True, False)]:
+    for group, quant, pdl, levels in [(False, False, False, 0), (False, False, True, 0), (False, True, False, 0),
+                                      (True, False, False, 0), (True, True, False, 0), (False, False, True, 2),
+                                      (True, False, False, 1)]:
         ptrs = dict(x_ptr=BF16 if quant else FP8, xs_ptr=F32, w_ptr=FP8, ws_ptr=F32, b_ptr=F32,
-                    y_ptr=BF16, part_ptr=F32, cnt_ptr=I32)
-        consts = dict(ACT_GROUP=group, QUANT_X=quant, ROWS=1 if quant else 16, SPLITS=4, HAS_BIAS=True,
-                      PDL=pdl, **floors, **tiles)
-        compile_one(f"decode group={group} quant={quant} pdl={pdl}", td._decode_kernel, ptrs, consts,
-                    dict(opts, launch_pdl=pdl), scalars=dict(one="fp32"))
+                    y_ptr=BF16, part_ptr=I32 if levels else F32, cnt_ptr=I32)
+        consts = dict(ACT_GROUP=group, QUANT_X=quant, ROWS=1 if quant else 16, SPLITS=max(4, 1 << levels),
+                      HAS_BIAS=True, PDL=pdl, LEVELS=levels, EMPTY=td.EMPTY, **floors, **tiles)
+        compile_one(f"decode group={group} quant={quant} pdl={pdl} exchange_levels={levels}", td._decode_kernel,
+                    ptrs, consts, dict(opts, launch_pdl=pdl), scalars=dict(one="fp32"))
     q = dict(x_ptr=BF16, q_ptr=FP8, s_ptr=F32)
     # the launch plans of a decode row, and of long rows in both chunk widths
     for (m, k), early in [((1, 4096), False), ((16384, 14336), False), ((16384, 28672), False),

@@ -139,16 +139,76 @@ def test_decode_rejects_bad_inputs():
                          config=dict(SPLIT_K=2))
 
 
+# --- K splits added by pairwise exchanges (triton_decode._exchange) instead of the ticket -------------
+@pytest.mark.parametrize("w_kind,act", PAIRS)
+@pytest.mark.parametrize("m,n,k,split", [(1, 96, 512, 2), (3, 200, 1024, 4), (16, 64, 1024, 8), (5, 130, 384, 2)])
+def test_decode_exchange_matches_exact_product_and_empties_its_slots(w_kind, act, m, n, k, split):
+    """The exchange tree against the float64 product (M and N tails, bias); the slots are EMPTY again
+    after each call, so the next call gives the same bytes; with two splits it is the ticket's sum
+    (a + b either way), with more it agrees with the ticket to float32 rounding."""
+    x, w_q, w_s, b = _operands(m, n, k, w_kind, seed=7 * m + n + split)
+    slots = td.exchange_slots(n, split, DEV, m)
+    run = lambda **kw: td.decode_linear(x, w_q, w_s, w_kind, act, b, out_dtype=FP32,  # noqa: E731
+                                        config=dict(SPLIT_K=split), **kw)
+    y = run(slots=slots)
+    ref = _exact(*_quantized_x(x, act), act, w_q, w_s, w_kind, b)
+    assert y.shape == (m, n) and torch.isfinite(y).all()
+    assert nu.rel_diff(y.cpu(), ref) < 1e-6
+    assert bool((slots == td.EMPTY).all()), "the second of each pair must put EMPTY back"
+    assert torch.equal(run(slots=slots), y)
+    ticket = run()
+    assert torch.equal(ticket, y) if split == 2 else nu.rel_diff(y.cpu(), ticket.cpu()) < 1e-6
+
+
+def test_decode_exchange_rejects_bad_slots():
+    x, w_q, w_s, _ = _operands(3, 64, 768, "channel", seed=2)
+    with pytest.raises(ValueError, match="power-of-two"):
+        td.decode_linear(x, w_q, w_s, "channel", "token", config=dict(SPLIT_K=3),
+                         slots=td.exchange_slots(64, 4, DEV))
+    with pytest.raises(ValueError, match="slots must be"):
+        td.decode_linear(x, w_q, w_s, "channel", "token", config=dict(SPLIT_K=2),
+                         slots=td.exchange_slots(64, 2, DEV, 2))
+    with pytest.raises(ValueError, match="slots must be"):
+        td.decode_linear(x, w_q, w_s, "channel", "token", config=dict(SPLIT_K=2),
+                         slots=td.exchange_slots(64, 2, DEV).float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV.type != "cuda", reason="the arrival race needs real concurrent programs")
+@pytest.mark.parametrize("w_kind,act", PAIRS)
+@pytest.mark.parametrize("m,split", [(2, 2), (16, 2), (4, 4)])
+def test_decode_exchange_same_bytes_whoever_arrives_second(w_kind, act, m, split):
+    """At a decode size on the GPU, where the two programs of a pair race for each element: 30 calls
+    (and a CUDA graph replayed 10 times) give the bytes of the first, which match the float64 product."""
+    x, w_q, w_s, b = _operands(m, 4096, 4096, w_kind, seed=m + split)
+    slots = td.exchange_slots(4096, split, DEV)
+    run = lambda: td.decode_linear(x, w_q, w_s, w_kind, act, b, config=dict(SPLIT_K=split),  # noqa: E731
+                                   slots=slots, out_dtype=FP32)
+    y = run()
+    assert nu.rel_diff(y.cpu(), _exact(*_quantized_x(x, act), act, w_q, w_s, w_kind, b)) < 1e-6
+    assert all(torch.equal(run(), y) for _ in range(30))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for _ in range(10):
+        graph.replay()
+        assert torch.equal(out, y)
+    assert bool((slots == td.EMPTY).all())
+
+
 @pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])
 @pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("fused_max_n,gemv", [(0, False), (4096, False), (0, True)])
-def test_triton_backend_decode_dispatch(scheme, m, fused_max_n, gemv, monkeypatch):
+@pytest.mark.parametrize("fused_max_n,gemv,few", [(0, False, False), (4096, False, False), (0, True, False),
+                                                  (0, False, True)])
+def test_triton_backend_decode_dispatch(scheme, m, fused_max_n, gemv, few, monkeypatch):
     """The triton backend's decode branches (quantizer + decode kernel; block at M=1 fused or not;
-    the GEMV at M = 1 and 3 for every scheme), called directly (on CPU the backend itself refuses to
-    be picked, the interpreter runs its kernels)."""
+    the GEMV at M = 1 and 3 for every scheme; the few-split plan: two splits by exchange, block on the
+    decode kernel), called directly (on CPU the backend itself refuses to be picked, the interpreter
+    runs its kernels). The layer's workspace is back to zeros (and EMPTY slots) after the call."""
     from fp8now.config import Scheme
     from fp8now.kernels import triton_fp8
     monkeypatch.setattr(triton_fp8, "FUSED_BLOCK_MAX_N", fused_max_n)
+    monkeypatch.setattr(triton_fp8, "FEW_SPLITS_N", (0, 1 << 62) if few else (1, 0))
     monkeypatch.setattr(triton_fp8, "GEMV_N", {s: {r: (0, 1 << 62) for r in (1, 2, 4)} if gemv else {}
                                                for s in ("tensor", "channel", "block")})
     act = "group" if scheme == "block" else "token"
@@ -158,7 +218,10 @@ def test_triton_backend_decode_dispatch(scheme, m, fused_max_n, gemv, monkeypatc
     assert y.dtype == x.dtype and y.shape == (m, 160)
     ref = _exact(*_quantized_x(x, act), act, w_q, w_s, scheme, b)
     assert nu.rel_diff(y.cpu().float(), ref) < 1e-4
-    assert int(counters.abs().sum()) == 0
+    tickets = -(-160 // 16)
+    assert int(counters[:tickets].abs().sum()) == 0
+    assert counters.numel() == (tickets + td.MAX_M * 160 if few else tickets)
+    assert bool((counters[tickets:] == td.EMPTY).all())
 
 
 # --- the GEMV (triton_gemv, M <= 4): CUDA-core products, no K split, pre-quantized rows -------------

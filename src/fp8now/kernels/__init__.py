@@ -93,9 +93,11 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
 
 
 def split_counters(n: int, device: torch.device | str) -> torch.Tensor:
-    """Zeroed int32 per-tile counters for the decode kernel's in-kernel split-K reduction: enough for
-    any M <= 16 call on an `[N, K]` weight (tiles of >= 16 columns). A layer keeps one for its life."""
-    return torch.zeros(-(-n // 16), dtype=torch.int32, device=device)
+    """The decode kernel's int32 workspace for an `[N, K]` weight, any M <= 16 call: per-tile split-K
+    counters (zeroed; tiles of >= 16 columns), and where the dispatch adds two K splits by exchange,
+    the exchange slots (`triton_fp8.decode_workspace`). A layer keeps one for its life."""
+    from . import triton_fp8
+    return triton_fp8.decode_workspace(n, device)
 
 
 def quantize_weight(w: torch.Tensor, scheme: Scheme, name: str | None = None

@@ -14,6 +14,12 @@ kernel launch:
   then takes a ticket from a per-tile counter (atomic add, acquire-release); the program that draws
   the last ticket adds the SPLITS partials in the fixed order 0..SPLITS-1 (deterministic whatever the
   arrival order), applies the scales and bias, casts, stores, and resets the counter to zero.
+- Or (`slots`, a power-of-two number of splits) the splits meet in a fixed binary tree of pairwise
+  exchanges (`_exchange`): each element's partial sum travels through one atomic exchange per level, so
+  there is no workspace store, fence, ticket or re-read on the last program's path. Deterministic,
+  because a + b == b + a in float32 whichever of a pair arrives second. Each level costs a round trip
+  and M x BLOCK_N atomics per tile, so it pays at two splits on few tiles (H200: 1.02-1.07x faster at
+  N = 4096-8192, M = 2-16; slower than the ticket at 8 splits and from N = 28672; `triton_fp8`).
 
 The counters are an int32 tensor that must be zero before the launch and is zero again after it: the
 caller keeps one per layer (`fp8now.kernels.split_counters(N, device)`; `Fp8Linear` owns it). Two
@@ -43,6 +49,9 @@ W_KINDS = ("tensor", "channel", "block")
 # the split-K GEMMs, benchmarks/tune_decode.py), 4 warps, 4 stages; K split as for the split-K GEMMs.
 DECODE_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=0)
 MAX_M = 16
+# the exchange slots' empty value: a NaN bit pattern no float32 sum produces (GPUs write the canonical
+# NaN 0x7FFFFFFF; this one has the sign bit set and another payload)
+EMPTY = -0x00452453  # 0xFFBADBAD as int32
 
 
 @triton.jit
@@ -59,7 +68,7 @@ def _decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr
                    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
                    FMAX: tl.constexpr, TOKEN_FLOOR: tl.constexpr, GROUP_FLOOR: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PDL: tl.constexpr):
+                   PDL: tl.constexpr, LEVELS: tl.constexpr, EMPTY: tl.constexpr):
     # ROWS: activation rows a program quantizes: BLOCK_M, or 1 when M == 1 (that row is quantized
     # once and broadcast to the MMA's BLOCK_M rows, instead of quantizing BLOCK_M copies of it).
     tile = tl.program_id(0)
@@ -125,7 +134,11 @@ def _decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr
             acc += tl.dot(a, b) * (sa * sb)[:, None]
         else:  # keep every K-block's product apart from the MMA's own accumulator (see triton_gemm)
             acc += tl.dot(a, b) * tl.cast(one, tl.float32)
-    if SPLITS > 1:
+    if LEVELS > 0:  # the splits meet in a fixed binary tree of pairwise exchanges (see _exchange)
+        acc, live = _exchange(acc, part_ptr, offs_m, offs_n, M, N, SPLITS, LEVELS, EMPTY)
+        _epilogue(acc, s_row, ws_ptr, b_ptr, y_ptr, offs_m, offs_n, rn, M, N, stride_wsn, stride_ym,
+                  ACT_GROUP, HAS_BIAS, live)
+    elif SPLITS > 1:
         p_tile = part_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n.to(tl.int64)[None, :]
         mask = row_ok[:, None] & (offs_n[None, :] < N)
         tl.store(p_tile + tl.program_id(1).to(tl.int64) * M * N, acc, mask=mask)
@@ -137,23 +150,45 @@ def _decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr
                 acc += tl.load(p_tile + i * M * N, mask=mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + tile, 0)
             _epilogue(acc, s_row, ws_ptr, b_ptr, y_ptr, offs_m, offs_n, rn, M, N, stride_wsn, stride_ym,
-                      ACT_GROUP, HAS_BIAS)
+                      ACT_GROUP, HAS_BIAS, mask)
     else:
         _epilogue(acc, s_row, ws_ptr, b_ptr, y_ptr, offs_m, offs_n, rn, M, N, stride_wsn, stride_ym,
-                  ACT_GROUP, HAS_BIAS)
+                  ACT_GROUP, HAS_BIAS, row_ok[:, None] & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _exchange(acc, slot_ptr, offs_m, offs_n, M, N, SPLITS: tl.constexpr, LEVELS: tl.constexpr,
+              EMPTY: tl.constexpr):
+    """Add the SPLITS (= 2**LEVELS) partials of a tile in a fixed tree, element by element, with no
+    ticket and no fence: at level l, splits s and s ^ (1 << l) (as carried so far) swap their sums into
+    one slot (an atomic exchange, which returns what was there). The first to arrive finds EMPTY and is
+    done with that element; the second gets its partner's sum, adds it (a + b == b + a exactly, so the
+    result does not depend on who came second) and puts EMPTY back. The slots [SPLITS - 1, M, N] int32
+    hold EMPTY before and after every launch. Returns (the sums, where this program holds the final one)."""
+    live = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    off = offs_m.to(tl.int64)[:, None] * N + offs_n.to(tl.int64)[None, :]
+    s = tl.program_id(1)
+    for lv in tl.static_range(LEVELS):
+        slot = slot_ptr + (SPLITS - (SPLITS >> lv) + (s >> (lv + 1))).to(tl.int64) * M * N + off
+        old = tl.atomic_xchg(slot, acc.to(tl.int32, bitcast=True), mask=live, sem="relaxed")
+        second = live & (old != EMPTY)
+        tl.store(slot, tl.full(acc.shape, EMPTY, tl.int32), mask=second)
+        acc = tl.where(second, acc + old.to(tl.float32, bitcast=True), acc)
+        live = second
+    return acc, live
 
 
 @triton.jit
 def _epilogue(acc, s_row, ws_ptr, b_ptr, y_ptr, offs_m, offs_n, rn, M, N, stride_wsn, stride_ym,
-              ACT_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Row x column scales (per token), bias, one cast, masked store."""
+              ACT_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, mask):
+    """Row x column scales (per token), bias, one cast, store where `mask`."""
     if not ACT_GROUP:  # per channel, or (stride 0) one tensor scale
         sb = tl.load(ws_ptr + rn * stride_wsn)
         acc = acc * (s_row[:, None] * sb[None, :])
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n.to(tl.int64)[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 _CHECKED_CONFIG = tg._merge_config(DECODE_CONFIG, None, block_k=tg.SCALE_BLOCK)
@@ -170,10 +205,22 @@ def _default_plan(m: int, n: int, k: int, device: torch.device) -> tuple[int, in
     return _plan(_CHECKED_CONFIG, m, n, k, device)
 
 
+@memo(maxsize=64)
+def _config_of(items: tuple) -> dict:
+    """DECODE_CONFIG updated by a config's sorted items, checked (once per distinct config)."""
+    return tg._merge_config(DECODE_CONFIG, dict(items), block_k=tg.SCALE_BLOCK)
+
+
+@memo(maxsize=1024)
+def _config_plan(items: tuple, m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int]:
+    return _plan(_config_of(items), m, n, k, device)
+
+
 def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind: str, act: str,
                   bias: torch.Tensor | None = None, *, x_scale: torch.Tensor | None = None,
                   counters: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                  config: dict | None = None, pdl: bool = False) -> torch.Tensor:
+                  config: dict | None = None, pdl: bool = False,
+                  slots: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = quantize(x [M, K]) @ W.T (+ bias) in one launch, for M <= MAX_M.
 
     w_kind "tensor" (w_s 0-d / [1]) or "channel" (w_s [N, 1]) with act "token"; w_kind "block"
@@ -183,6 +230,9 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
     `pdl` (sm_90+; ignored elsewhere and under torch.compile): launch as a programmatic dependent of
     the previous kernel in the stream, which lets it start while that kernel runs (it waits for that
     kernel's writes before touching memory); pair it with `quantize_act_token(..., early_launch=True)`.
+
+    `slots` (from `exchange_slots`): add the K splits by pairwise exchanges (`_exchange`) instead of the
+    ticket; the number of splits must then be a power of two.
     """
     tg._require_triton()
     if act not in ACTS or w_kind not in W_KINDS or (act == "group") != (w_kind == "block"):
@@ -223,18 +273,27 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
     bias = tg._check_bias(bias, N, w_q.device)
     out_dtype = (x2.dtype if quant_x else torch.bfloat16) if out_dtype is None else out_dtype
     tg._check_out_dtype(out_dtype)
-    cfg = (_CHECKED_CONFIG if config is None
-           else tg._merge_config(DECODE_CONFIG, config, block_k=tg.SCALE_BLOCK))
+    items = None if config is None else tuple(sorted(config.items()))
+    cfg = _CHECKED_CONFIG if items is None else _config_of(items)
     if w_kind == "block" and 128 % cfg["BLOCK_N"]:
         raise ValueError(f"block decode needs BLOCK_N dividing 128, got {cfg['BLOCK_N']}")
     y = torch.empty((M, N), dtype=out_dtype, device=w_q.device)
     if M == 0 or N == 0:
         return y
-    if config is None:  # the common case: the launch plan of a shape is computed once
-        k_split, splits, tiles = _default_plan(M, N, K, w_q.device)
+    # the launch plan of a shape and config is computed once
+    k_split, splits, tiles = (_default_plan(M, N, K, w_q.device) if items is None
+                              else _config_plan(items, M, N, K, w_q.device))
+    levels = 0
+    if slots is not None and splits > 1:
+        levels = splits.bit_length() - 1
+        if splits != 1 << levels:
+            raise ValueError(f"the exchange reduction needs a power-of-two number of K splits, got {splits}")
+        if slots.dtype != torch.int32 or slots.device != w_q.device or slots.numel() < (splits - 1) * M * N:
+            raise ValueError(f"slots must be exchange_slots(...) on {w_q.device} with at least "
+                             f"{(splits - 1) * M * N} int32 elements")
+        part = slots
     else:
-        k_split, splits, tiles = _plan(cfg, M, N, K, w_q.device)
-    part = tg._split_workspace(splits, y)
+        part = tg._split_workspace(splits, y)
     if counters is not None and (counters.dtype != torch.int32 or counters.device != w_q.device):
         raise ValueError(f"counters must be a zeroed int32 tensor on {w_q.device}, got "
                          f"{counters.dtype} on {counters.device}")
@@ -248,6 +307,12 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
         ACT_GROUP=act == "group", QUANT_X=quant_x, ROWS=1 if M == 1 else cfg["BLOCK_M"], SPLITS=splits,
         HAS_BIAS=bias is not None, FMAX=E4M3FN.fmax, TOKEN_FLOOR=E4M3FN.min_scale,
         GROUP_FLOOR=GROUP_AMAX_FLOOR, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], PDL=bool(launch),
+        BLOCK_K=cfg["BLOCK_K"], PDL=bool(launch), LEVELS=levels, EMPTY=EMPTY,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch)
     return y
+
+
+def exchange_slots(n: int, splits: int, device: torch.device | str, m: int = MAX_M) -> torch.Tensor:
+    """The exchange reduction's slots for `splits` K splits of an [N, K] weight at up to `m` rows: int32,
+    every element EMPTY (as they are again after every launch). A layer keeps one for its life."""
+    return torch.full(((splits - 1) * m * n,), EMPTY, dtype=torch.int32, device=device)

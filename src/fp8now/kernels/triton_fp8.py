@@ -12,6 +12,9 @@ Per call, by M (the thresholds are the dispatch data, measured on the H200, BENC
     inside the kernel lost almost everywhere: every program first reads its rows over all of K).
     At M <= PDL_MAX_M the decode kernel is a programmatic dependent launch (sm_90): it starts while
     the quantizer runs (1.01-1.08x faster over the 12 measured rows at M = 1 and 4, mixed at 16).
+    For N in FEW_SPLITS_N: 2 K splits (4 for a long K on few tiles, `few_splits`), 6 stages, and two
+    splits added by an exchange of partial sums through atomics instead of the ticket's store, fence
+    and re-read.
   - tensor, M = 1 above GEMV_N's N (TENSORWISE_M1): one row's per-token scale is a per-tensor
     scale, so the Triton quantizer, then cuBLAS tensorwise `_scaled_mm` with both scales 0-d
     (1.05-1.21x faster than the decode kernel on 6 of the 7 benchmark shapes, probe_kernels.py
@@ -19,6 +22,8 @@ Per call, by M (the thresholds are the dispatch data, measured on the H200, BENC
     decode kernel on every shape (0.55-0.87x).
   - block, M = 1 and N <= FUSED_BLOCK_MAX_N: `decode_linear` quantizing the 1x128 groups itself
     (one launch; 1.03-1.12x faster than the three-launch path at N <= 8192, 0.84-0.95x at N >= 28672).
+  - block, N in FEW_SPLITS_N: the Triton group quantizer, then `decode_linear` on the groups with
+    twice the few-split plan's splits.
   - block otherwise: the Triton group quantizer, then the split-K Triton block GEMM (its reduce
     kernel included), which beat `decode_linear` on pre-quantized groups at large N (57344 x 8192,
     M=16: 123 vs 155 µs).
@@ -61,12 +66,60 @@ TENSORWISE_M1 = True      # tensor scheme, M = 1: cuBLAS tensorwise instead of t
 # 57344, a tie at 8192 x 8192, 0.96x at 8192 x 28672 and 0.94x at 1024 x 4096. M = 2 and 4 lost to
 # the decode kernel on every shape but 1024 x 4096 (BENCHMARKS.md "GEMV for 2-4 rows"): no bucket.
 GEMV_N = {"tensor": {1: (0, 6144)}, "channel": {1: (0, 1 << 62)}, "block": {1: (4096, 1 << 62)}}
+# M <= 16 where the decode kernel runs, N in this range (inclusive): few K splits (`few_splits`) and, for
+# tensor / channel, 6 stages, two splits added by an exchange (triton_decode._exchange) instead of the
+# ticket; block runs the decode kernel on its pre-quantized groups with twice the splits (ticket) instead
+# of the split-K block GEMM. H200, GPU time in graphs (probe_kernels.py decodex, BENCHMARKS.md
+# "Decode at M = 2-16: two splits by exchange"): against the auto plan, channel 1.02-1.07x faster and
+# block 1.01-1.09x at 4096 x 4096, 6144 x 4096, 4096 x 14336, 8192 x 8192 and 8192 x 28672, M = 2-16.
+# Outside it the auto plan stays: at N = 1024 two splits are too few programs (0.85x), and from
+# N = 28672 the output tiles alone fill the GPU and the exchange's atomics cost more than the ticket.
+FEW_SPLITS_N = (4096, 8192)
 BLOCK_GEMM = "torch"    # "torch" (blockwise F.scaled_mm) or "triton" above TRITON_MAX_M["block"]
 # Under torch.compile, per activation kind: quantize with numerics' torch ops, which inductor fuses
 # into the producing kernel, instead of the Triton quantizer. "group" is off. Behind SiLU x up
 # (M = 8192, K = 14336) inductor splits it into a reduction and a pointwise pass that recomputes the
 # producer, 1155 against 996 µs per layer; behind RMSNorm it is within 3% either way (H200, 2026-12-04).
 COMPILED_QUANT = {"token": True, "group": False}
+
+
+_FEW_TOKEN = {s: dict(num_stages=6, SPLIT_K=s) for s in (2, 4)}
+_FEW_BLOCK = {s: dict(SPLIT_K=2 * s) for s in (2, 4)}
+
+
+def few_splits(n: int, k: int) -> int:
+    """K splits of the few-split plan (FEW_SPLITS_N): 2, or 4 for a long K on under 128 output tiles of
+    64 (4096 x 14336: 4 splits 1.02-1.05x faster than 2)."""
+    return 2 if k <= 8192 or n >= 8192 else 4
+
+
+def token_decode_plan(n: int, k: int, counters: torch.Tensor | None, device: torch.device
+                      ) -> tuple[dict | None, torch.Tensor | None]:
+    """(config, exchange slots) of tensor / channel's decode kernel for an [N, K] weight: the few-split
+    plan where FEW_SPLITS_N takes N (the slots from the layer's workspace `counters`), else (None, None):
+    the auto plan and the ticket."""
+    if not FEW_SPLITS_N[0] <= n <= FEW_SPLITS_N[1]:
+        return None, None
+    splits = few_splits(n, k)
+    return _FEW_TOKEN[splits], _slots_of(counters, n, device) if splits == 2 else None
+
+
+def decode_workspace(n: int, device: torch.device | str) -> torch.Tensor:
+    """A layer's int32 decode workspace: the decode kernel's per-tile ticket counters (zeros), then,
+    where FEW_SPLITS_N takes this N, the exchange slots for two splits of up to 16 rows (EMPTY). Both
+    are back to these values after every launch. `fp8now.kernels.split_counters` returns this."""
+    tickets = torch.zeros(-(-n // 16), dtype=torch.int32, device=device)
+    if not FEW_SPLITS_N[0] <= n <= FEW_SPLITS_N[1]:
+        return tickets
+    return torch.cat([tickets, triton_decode.exchange_slots(n, 2, device)])
+
+
+def _slots_of(counters: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
+    """The exchange slots inside a layer's decode workspace, or fresh ones when it has none."""
+    start = -(-n // 16)
+    if counters is not None and counters.numel() >= start + triton_decode.MAX_M * n:
+        return counters[start:]
+    return triton_decode.exchange_slots(n, 2, device)
 
 
 def available(device: torch.device, scheme: Scheme, act_kind: str, n: int, k: int,
@@ -116,13 +169,22 @@ def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torc
         if scheme is Scheme.TENSOR and m == 1 and TENSORWISE_M1:
             x_q, x_s = _token(x)
             return torch_mm.rowwise_mm(x_q, x_s.reshape(()), w_q, w_scale.reshape(()), bias, x.dtype)
+        n, k = w_q.shape
+        few = FEW_SPLITS_N[0] <= n <= FEW_SPLITS_N[1]
         if scheme is not Scheme.BLOCK:
             pdl = m <= PDL_MAX_M
             x_q, x_s = _token(x, early_launch=pdl)
+            cfg, slots = token_decode_plan(n, k, counters, w_q.device)
             return triton_decode.decode_linear(x_q, w_q, w_scale, scheme.value, "token", bias,
-                                               x_scale=x_s, counters=counters, out_dtype=x.dtype, pdl=pdl)
-        if m == 1 and w_q.shape[0] <= FUSED_BLOCK_MAX_N:
+                                               x_scale=x_s, counters=counters, out_dtype=x.dtype, pdl=pdl,
+                                               config=cfg, slots=slots)
+        if m == 1 and n <= FUSED_BLOCK_MAX_N:
             return triton_decode.decode_linear(x, w_q, w_scale, "block", "group", bias, counters=counters)
+        if few:
+            x_q, x_s = _group(x)
+            return triton_decode.decode_linear(x_q, w_q, w_scale, "block", "group", bias, x_scale=x_s,
+                                               counters=counters, out_dtype=x.dtype,
+                                               config=_FEW_BLOCK[few_splits(n, k)])
     if scheme is Scheme.BLOCK:
         if batch_invariant:
             x_q, x_s = _group(x)
