@@ -191,16 +191,18 @@ def test_decode_pdl_launch_reads_the_fresh_activation(scheme, m, gemv, monkeypat
 _COMPILE_SCRIPT = """
 import sys, torch
 from fp8now import Fp8Config, Fp8Linear
-lin = torch.nn.Linear(2048, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
+n = int(sys.argv[3])
+lin = torch.nn.Linear(2048, n, bias=False, device="cuda", dtype=torch.bfloat16)
 layer = Fp8Linear.from_linear(lin, Fp8Config(scheme=sys.argv[1]))
 x = torch.randn(int(sys.argv[2]), 2048, device="cuda", dtype=torch.bfloat16)
 assert torch.equal(torch.compile(layer, fullgraph=True)(x), layer(x))
 """
 
 
-@pytest.mark.parametrize("scheme,m", [("channel", 1), ("channel", 4), ("tensor", 4), ("block", 1),
-                                      ("channel", 512)])
-def test_compile_sees_which_inputs_each_kernel_writes(scheme, m):
+@pytest.mark.parametrize("scheme,m,n", [("channel", 1, 1024), ("channel", 4, 1024), ("tensor", 4, 1024),
+                                        ("block", 1, 1024), ("channel", 512, 1024), ("channel", 4, 4096),
+                                        ("block", 4, 4096)])
+def test_compile_sees_which_inputs_each_kernel_writes(scheme, m, n):
     """Under torch.compile, torch reads each Triton kernel's TTIR to learn which inputs it writes; an op
     it cannot analyze (on triton 3.6, the inline asm of the PDL signal the quantizer sends at M <= 4
     when launched eagerly) makes it log "assuming every input is mutated" and treat every input as
@@ -212,7 +214,7 @@ def test_compile_sees_which_inputs_each_kernel_writes(scheme, m):
     import subprocess
     import sys
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    run = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, scheme, str(m)], env=env,
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, scheme, str(m), str(n)], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "assuming every input is mutated" not in run.stderr, run.stderr[-2000:]
@@ -269,6 +271,25 @@ def test_torch_backend_compiles_to_its_eager_bytes(scheme):
         torch._dynamo.reset()
         x = varied((m, 2048), torch.bfloat16, seed=m + 7).cuda()
         assert torch.equal(torch.compile(layer, fullgraph=True)(x), layer(x))
+
+
+@pytest.mark.parametrize("scheme", list(Scheme))
+def test_compile_fullgraph_few_split_exchange(scheme):
+    """N = 4096 (triton_fp8.FEW_SPLITS_N): two K splits added by exchange through the layer's workspace
+    (tensor / channel), the decode kernel on pre-quantized groups (block). Compiled equals eager; the
+    workspace is back to zeros and EMPTY slots after the compiled calls."""
+    from fp8now.kernels import triton_decode as td
+    lin, layer = layer_for(4096, 2048, scheme, "auto")
+    for m in (2, 16):
+        torch._dynamo.reset()
+        x = varied((m, 2048), torch.bfloat16, seed=m + 40).cuda()
+        compiled = torch.compile(layer, fullgraph=True)
+        assert torch.equal(compiled(x), layer(x))
+        assert torch.equal(compiled(x), layer(x))
+    torch.cuda.synchronize()
+    tickets = 4096 // 16
+    assert int(layer.split_counters[:tickets].abs().sum()) == 0
+    assert bool((layer.split_counters[tickets:] == td.EMPTY).all())
 
 
 @pytest.mark.parametrize("scheme", list(Scheme))
