@@ -18,7 +18,7 @@ kernel launch:
   exchanges (`_exchange`): each element's partial sum travels through one atomic exchange per level, so
   there is no workspace store, fence, ticket or re-read on the last program's path. Deterministic,
   because a + b == b + a in float32 whichever of a pair arrives second. Each level costs a round trip
-  and M x BLOCK_N atomics per tile, so it pays at two splits on few tiles (H200: 1.02-1.07x faster at
+  and M x BLOCK_N atomics per tile, so it pays at two splits on few tiles (H200: 1.02-1.06x faster at
   N = 4096-8192, M = 2-16; slower than the ticket at 8 splits and from N = 28672; `triton_fp8`).
 
 The counters are an int32 tensor that must be zero before the launch and is zero again after it: the

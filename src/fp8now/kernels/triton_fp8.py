@@ -70,8 +70,9 @@ GEMV_N = {"tensor": {1: (0, 6144)}, "channel": {1: (0, 1 << 62)}, "block": {1: (
 # tensor / channel, 6 stages, two splits added by an exchange (triton_decode._exchange) instead of the
 # ticket; block runs the decode kernel on its pre-quantized groups with twice the splits (ticket) instead
 # of the split-K block GEMM. H200, GPU time in graphs (probe_kernels.py decodex, BENCHMARKS.md
-# "Decode at M = 2-16: two splits by exchange"): against the auto plan, channel 1.02-1.07x faster and
-# block 1.01-1.09x at 4096 x 4096, 6144 x 4096, 4096 x 14336, 8192 x 8192 and 8192 x 28672, M = 2-16.
+# "Decode at M = 2-16: two K splits added by exchange"): against the auto plan, channel 1.02-1.06x
+# faster and block 1.01-1.08x at 4096 x 4096, 6144 x 4096, 4096 x 14336, 8192 x 8192 and 8192 x 28672,
+# M = 2-16.
 # Outside it the auto plan stays: at N = 1024 two splits are too few programs (0.85x), and from
 # N = 28672 the output tiles alone fill the GPU and the exchange's atomics cost more than the ticket.
 FEW_SPLITS_N = (4096, 8192)
@@ -87,6 +88,10 @@ _FEW_TOKEN = {s: dict(num_stages=6, SPLIT_K=s) for s in (2, 4)}
 _FEW_BLOCK = {s: dict(SPLIT_K=2 * s) for s in (2, 4)}
 
 
+def _few(n: int) -> bool:
+    return FEW_SPLITS_N[0] <= n <= FEW_SPLITS_N[1]
+
+
 def few_splits(n: int, k: int) -> int:
     """K splits of the few-split plan (FEW_SPLITS_N): 2, or 4 for a long K on under 128 output tiles of
     64 (4096 x 14336: 4 splits 1.02-1.05x faster than 2)."""
@@ -98,7 +103,7 @@ def token_decode_plan(n: int, k: int, counters: torch.Tensor | None, device: tor
     """(config, exchange slots) of tensor / channel's decode kernel for an [N, K] weight: the few-split
     plan where FEW_SPLITS_N takes N (the slots from the layer's workspace `counters`), else (None, None):
     the auto plan and the ticket."""
-    if not FEW_SPLITS_N[0] <= n <= FEW_SPLITS_N[1]:
+    if not _few(n):
         return None, None
     splits = few_splits(n, k)
     return _FEW_TOKEN[splits], _slots_of(counters, n, device) if splits == 2 else None
@@ -109,7 +114,7 @@ def decode_workspace(n: int, device: torch.device | str) -> torch.Tensor:
     where FEW_SPLITS_N takes this N, the exchange slots for two splits of up to 16 rows (EMPTY). Both
     are back to these values after every launch. `fp8now.kernels.split_counters` returns this."""
     tickets = torch.zeros(-(-n // 16), dtype=torch.int32, device=device)
-    if not FEW_SPLITS_N[0] <= n <= FEW_SPLITS_N[1]:
+    if not _few(n):
         return tickets
     return torch.cat([tickets, triton_decode.exchange_slots(n, 2, device)])
 
@@ -170,7 +175,6 @@ def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torc
             x_q, x_s = _token(x)
             return torch_mm.rowwise_mm(x_q, x_s.reshape(()), w_q, w_scale.reshape(()), bias, x.dtype)
         n, k = w_q.shape
-        few = FEW_SPLITS_N[0] <= n <= FEW_SPLITS_N[1]
         if scheme is not Scheme.BLOCK:
             pdl = m <= PDL_MAX_M
             x_q, x_s = _token(x, early_launch=pdl)
@@ -180,7 +184,7 @@ def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torc
                                                config=cfg, slots=slots)
         if m == 1 and n <= FUSED_BLOCK_MAX_N:
             return triton_decode.decode_linear(x, w_q, w_scale, "block", "group", bias, counters=counters)
-        if few:
+        if _few(n):
             x_q, x_s = _group(x)
             return triton_decode.decode_linear(x_q, w_q, w_scale, "block", "group", bias, x_scale=x_s,
                                                counters=counters, out_dtype=x.dtype,
