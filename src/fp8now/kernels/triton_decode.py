@@ -297,7 +297,7 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
     if counters is not None and (counters.dtype != torch.int32 or counters.device != w_q.device):
         raise ValueError(f"counters must be a zeroed int32 tensor on {w_q.device}, got "
                          f"{counters.dtype} on {counters.device}")
-    if splits > 1 and (counters is None or counters.numel() < tiles):
+    if splits > 1 and not levels and (counters is None or counters.numel() < tiles):  # the ticket's
         counters = torch.zeros(tiles, dtype=torch.int32, device=w_q.device)
     launch = {"launch_pdl": True} if pdl and sm90(w_q.device) and not torch.compiler.is_compiling() else {}
     _decode_kernel[(tiles, splits)](
