@@ -40,8 +40,10 @@ Sections (argv: a comma list, default all):
   ticket, no fence) against the ticket reduction, same tiles and splits, for channel (Triton quantizer +
   decode kernel, PDL at M <= 4) and block (pre-quantized groups), with the shipped layer
   (`triton_fp8.linear`) as reference; every config checked against the float64 product, exchange
-  results also bit-identical over 20 graph replays. Env DX_SHAPES (default
-  4096x4096,6144x4096,4096x14336,8192x8192), DX_M (default 1,2,4,8,16), DX_BUDGET_S (default 300).
+  results also bit-identical over 20 graph replays; at M > 1 also the plan before it (`-auto`: auto
+  splits and the ticket, block's split-K GEMM) and tensor as shipped. Env DX_SHAPES (default
+  4096x4096,6144x4096,4096x14336,8192x8192), DX_M (default 1,2,4,8,16), DX_BUDGET_S (default 300),
+  DX_GRID=0 (the shipped and former plans only).
 
 `PYTHONPATH=src:benchmarks python benchmarks/probe_kernels.py [sections]`
 """
@@ -790,21 +792,7 @@ def section_decodex():
                 add(impl=f"{sc}-shipped", graph=graph_ms(lambda i, wsc=wsc, scheme=scheme, act=act: (
                     lambda: triton_fp8.linear(x, *wsc[i], None, scheme, act, counters=cnt[i])), copies, 3, 10),
                     **base)
-            if m > 1:  # the plan before the few-split rows: auto splits and the ticket; block's split-K GEMM
-                def auto_channel(i):
-                    q, s = tq.quantize_act_token(x, early_launch=m <= 4)
-                    return td.decode_linear(q, *wq["channel"][i], "channel", "token", x_scale=s, counters=cnt[i],
-                                            pdl=m <= 4)
-
-                def auto_block(i):
-                    q, s = tq.quantize_act_group(x)
-                    return triton_gemm.block_gemm(q, s, *wq["block"][i], None, torch.bfloat16)
-                for sc, fn in (("channel", auto_channel), ("block", auto_block)):
-                    add(impl=f"{sc}-auto", graph=graph_ms(lambda i, fn=fn: (lambda: fn(i)), copies, 3, 10), **base)
-            if os.environ.get("DX_GRID", "1") == "0":
-                continue
-
-            def call(i, sc, cfg, xch, out=torch.bfloat16):
+            def call(i, sc, cfg, xch, out=torch.bfloat16):  # cfg None: the decode kernel's auto plan
                 sl = slots[cfg["SPLIT_K"]][i] if xch else None
                 if sc == "channel":
                     pdl = m <= 4
@@ -815,6 +803,14 @@ def section_decodex():
                 return td.decode_linear(q, *wq[sc][i], sc, "group", x_scale=s, counters=cnt[i], config=cfg,
                                         out_dtype=out, slots=sl)
 
+            if m > 1:  # the plan before the few-split rows: auto splits and the ticket; block's split-K GEMM
+                def auto_block(i):
+                    q, s = tq.quantize_act_group(x)
+                    return triton_gemm.block_gemm(q, s, *wq["block"][i], None, torch.bfloat16)
+                for sc, fn in (("channel", lambda i: call(i, "channel", None, False)), ("block", auto_block)):
+                    add(impl=f"{sc}-auto", graph=graph_ms(lambda i, fn=fn: (lambda: fn(i)), copies, 3, 10), **base)
+            if os.environ.get("DX_GRID", "1") == "0":
+                continue
             exact = {"channel": exact_product(*tq.quantize_act_token(x), *wq["channel"][0], "channel"),
                      "block": exact_product(*tq.quantize_act_group(x), *wq["block"][0], "block")}
             for sc in ("channel", "block"):

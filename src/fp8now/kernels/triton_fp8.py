@@ -88,6 +88,11 @@ _FEW_TOKEN = {s: dict(num_stages=6, SPLIT_K=s) for s in (2, 4)}
 _FEW_BLOCK = {s: dict(SPLIT_K=2 * s) for s in (2, 4)}
 
 
+def _tickets(n: int) -> int:
+    """Ticket counters at the head of a layer's decode workspace: one per output tile of >= 16 columns."""
+    return -(-n // 16)
+
+
 def _few(n: int) -> bool:
     return FEW_SPLITS_N[0] <= n <= FEW_SPLITS_N[1]
 
@@ -113,7 +118,7 @@ def decode_workspace(n: int, device: torch.device | str) -> torch.Tensor:
     """A layer's int32 decode workspace: the decode kernel's per-tile ticket counters (zeros), then,
     where FEW_SPLITS_N takes this N, the exchange slots for two splits of up to 16 rows (EMPTY). Both
     are back to these values after every launch. `fp8now.kernels.split_counters` returns this."""
-    tickets = torch.zeros(-(-n // 16), dtype=torch.int32, device=device)
+    tickets = torch.zeros(_tickets(n), dtype=torch.int32, device=device)
     if not _few(n):
         return tickets
     return torch.cat([tickets, triton_decode.exchange_slots(n, 2, device)])
@@ -121,7 +126,7 @@ def decode_workspace(n: int, device: torch.device | str) -> torch.Tensor:
 
 def _slots_of(counters: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
     """The exchange slots inside a layer's decode workspace, or fresh ones when it has none."""
-    start = -(-n // 16)
+    start = _tickets(n)
     if counters is not None and counters.numel() >= start + triton_decode.MAX_M * n:
         return counters[start:]
     return triton_decode.exchange_slots(n, 2, device)
@@ -166,15 +171,15 @@ def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torc
     """y [M, N] = quantize(x [M, K]) @ W.T + bias in x.dtype; `counters`: the layer's split-K counters."""
     m = x.shape[0]
     if m <= triton_decode.MAX_M and not batch_invariant:
+        n, k = w_q.shape
         lo, hi = GEMV_N[scheme.value].get(triton_gemv.rows_bucket(m), (1, 0)) if m <= triton_gemv.MAX_M else (1, 0)
-        if lo <= w_q.shape[0] <= hi:
+        if lo <= n <= hi:
             x_q, x_s = _group(x, early_launch=True) if scheme is Scheme.BLOCK else _token(x, early_launch=True)
             return triton_gemv.gemv(x_q, w_q, w_scale, scheme.value, bias, x_scale=x_s, out_dtype=x.dtype,
                                     pdl=True)
         if scheme is Scheme.TENSOR and m == 1 and TENSORWISE_M1:
             x_q, x_s = _token(x)
             return torch_mm.rowwise_mm(x_q, x_s.reshape(()), w_q, w_scale.reshape(()), bias, x.dtype)
-        n, k = w_q.shape
         if scheme is not Scheme.BLOCK:
             pdl = m <= PDL_MAX_M
             x_q, x_s = _token(x, early_launch=pdl)
