@@ -1,5 +1,7 @@
-"""Time one linear layer per call: bf16, bare FP8 `_scaled_mm`, fp8now's schemes (activation
-quantization included) and torchao's float8 dynamic configs, eager and compiled, in one run.
+"""Time one linear layer per call: bf16, bare FP8 `_scaled_mm` (rowwise, tensorwise, blockwise on
+pre-quantized inputs), fp8now's schemes (activation quantization included) and torchao's float8
+dynamic configs, eager and compiled, in one run; and the GPU time (host removed) of bf16, fp8now and
+bare `_scaled_mm` calls replayed from CUDA graphs (`-graph` rows).
 
 CUDA only. `PYTHONPATH=src python benchmarks/bench_linear.py --out benchmarks/results/linear_h200_DATE.json`
 Times are the median of `triton.testing.do_bench` (which flushes L2 before every call).
@@ -100,6 +102,7 @@ def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=5, rep_ms=25,
         with_torchao=True, with_compiled=True, with_graphs=True, with_kernels=False,
         torchao_accum="fast", with_fp8now_compiled=False) -> list[dict]:
     from fp8now import Fp8Config, Fp8Linear, Scheme
+    from fp8now.kernels import torch_mm
     from fp8now.numerics import quantize_activation, quantize_weight
     dev = "cuda"
     torch._dynamo.config.recompile_limit = 1024      # the compiled peers must not fall back to eager
@@ -140,6 +143,8 @@ def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=5, rep_ms=25,
                 compiled[f"fp8now-{s.value}-compiled"] = torch.compile(layers[f"fp8now-{s.value}"], dynamic=True)
         w_q, w_s = quantize_weight(lin.weight, "channel")
         w_qt, w_st = quantize_weight(lin.weight, "tensor")
+        w_qb, w_sb = quantize_weight(lin.weight, "block")
+        blockwise = torch_mm.blockwise_unfit(k) is None   # cuBLAS blockwise takes this K
         graph_copies = 8 if with_graphs else 0
         lin_copies = [lin] + [torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
                               for _ in range(graph_copies - 1)]
@@ -151,6 +156,9 @@ def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=5, rep_ms=25,
         for m in m_values:
             x = varied(m, k, seed=m + k, device=dev)
             x_q, x_s = quantize_activation(x, "token")
+            x_qb, x_sb = quantize_activation(x, "group")
+            x_sb = x_sb.t().contiguous().t()        # column-major [M, K/128], as cuBLAS blockwise reads it
+            bare_block = blockwise and m % 4 == 0   # (fp8now pads other M to a multiple of 4)
             if graph_copies:  # GPU time, host removed; fewer copies at M > 256, where a call is long
                 copies_m = graph_copies if m <= 256 else graph_copies // 2
                 chan = fp8_copies[Scheme.CHANNEL]
@@ -160,6 +168,10 @@ def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=5, rep_ms=25,
                            "scaled_mm-graph": lambda i: (lambda: torch._scaled_mm(
                                x_q, chan[i].weight.t(), x_s, chan[i].weight_scale.reshape(1, -1),
                                out_dtype=torch.bfloat16))}
+                if bare_block:
+                    blk = fp8_copies[Scheme.BLOCK]
+                    graphed["scaled_mm-blockwise-graph"] = lambda i: (lambda: torch._scaled_mm(
+                        x_qb, blk[i].weight.t(), x_sb, blk[i].weight_scale.t(), out_dtype=torch.bfloat16))
                 for name, make_call in graphed.items():
                     try:
                         add(m, n, k, name, graph_ms(make_call, copies_m, warmup_ms, rep_ms), copies=copies_m)
@@ -171,6 +183,12 @@ def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=5, rep_ms=25,
             x_qt, x_st = quantize_activation(x, "tensor")
             add(m, n, k, "scaled_mm-tensorwise", bench(lambda: torch._scaled_mm(
                 x_qt, w_qt.t(), x_st, w_st, out_dtype=torch.bfloat16), warmup_ms, rep_ms))
+            if bare_block:
+                try:
+                    add(m, n, k, "scaled_mm-blockwise", bench(lambda: torch._scaled_mm(
+                        x_qb, w_qb.t(), x_sb, w_sb.t(), out_dtype=torch.bfloat16), warmup_ms, rep_ms))
+                except Exception as e:
+                    notes.append(f"scaled_mm-blockwise M={m} {n}x{k}: {type(e).__name__}: {str(e)[:200]}")
             for name, layer in layers.items():
                 try:
                     extra = dict(kernels=kernels_of(lambda: layer(x))) if with_kernels and m >= 1024 else {}
