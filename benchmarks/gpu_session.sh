@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything on the H200. Usage (through the device tool):
-#   bash benchmarks/gpu_session.sh PHASES   with PHASES a comma list of: tune,decode,floor,rows,regs,probe,profile,tests,core,quant,linear,quick,memory,model
+#   bash benchmarks/gpu_session.sh PHASES   with PHASES a comma list of: tune,decode,floor,rows,regs,probe,profile,tests,core,quant,linear,quick,memory,model,targets
 # Results land in $OUT (JSON + logs); the short tables print last.
 set -uo pipefail
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
@@ -72,5 +72,10 @@ fi
 if has model; then  # MODEL_ARGS: extra bench_model.py flags, e.g. "--torchao --compile --layers 2 --host-profile"
   timeout 560 python3 benchmarks/bench_model.py --out "$OUT" ${MODEL_ARGS:-} 2>&1 \
     | grep -v "UserWarning\|warn_once" | tee "$OUT/bench_model.log" | tail -40 || rc=1
+fi
+if has targets; then  # issue 4's scorecard of this call's linear (and quant) results: headings last
+  python3 benchmarks/targets.py "$OUT/linear_h200.json" $([ -f "$OUT/quant_h200.json" ] && echo --quant "$OUT/quant_h200.json") \
+    --json "$OUT/targets.json" > "$OUT/targets.md" 2>&1 || rc=1
+  grep '^###' "$OUT/targets.md"
 fi
 exit $rc

@@ -188,9 +188,10 @@ def score_peers(runs: dict[tuple[int, int, int], Sets], out: list[dict]) -> None
             row["met"] = row["x"] > 1.0
             row["why"] = "" if row["met"] else f"{best} takes {row['x']:.2f} of fp8now's time"
             f32 = {i: v for i, v in peers.items() if "-f32acc" in i}
-            if not row["met"] and f32 and min(f32.values()) > fp8:
-                row["why"] += (f" with fast accumulation (no float32 promotion along K, which SPEC §4 keeps); "
-                               f"like for like fp8now is {min(f32.values()) / fp8:.2f}x faster")
+            if not row["met"] and f32 and "-f32acc" not in best:   # the best peer skips float32 promotion
+                like = min(f32, key=f32.get)
+                row["why"] += (f" (fast accumulation); with float32 accumulation, as SPEC §4 keeps, {like} "
+                               f"takes {f32[like] / fp8:.2f}")
             out.append(row)
 
 

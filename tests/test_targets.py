@@ -182,3 +182,14 @@ def test_an_eager_decode_miss_points_to_the_same_calls_gpu_time(tmp_path):
     gpu, slow = by(rows, "block, M <= 16", "GPU time", m, n, k), by(rows, "block, M <= 16", "eager", m, n, k)
     assert not slow["met"] and gpu["src"] == "gpu" and slow["src"] == "eager"
     assert f"{graph[1]['ms'] * 1e3:.1f} µs, {0.011 / graph[1]['ms']:.2f}x bf16 (gpu)" in slow["why"]
+
+
+def test_a_loss_to_fast_accumulation_names_the_float32_peer_too(tmp_path):
+    rng = random.Random(4)
+    m, n, k = 4096, 8192, 8192
+    t = {"bf16": 0.7, "fp8now-channel": 0.5, "torchao-row-compiled": rng.uniform(0.40, 0.45),
+         "torchao-row-f32acc-compiled": rng.uniform(0.46, 0.6), "torchao-row-f32acc": rng.uniform(0.8, 0.9)}
+    rows, _ = score(tmp_path, {"run": [dict(M=m, N=n, K=k, impl=i, ms=v) for i, v in t.items()]})
+    r = by(rows, "channel vs torchao", "eager", m, n, k)
+    assert not r["met"] and r["peer"] == "torchao-row-compiled"
+    assert f"torchao-row-f32acc-compiled takes {t['torchao-row-f32acc-compiled'] / 0.5:.2f}" in r["why"]
