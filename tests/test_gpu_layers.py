@@ -143,6 +143,27 @@ def test_batch_invariant(scheme):
         assert torch.equal(got[:rows], want[:rows]), (scheme, m)
 
 
+@pytest.mark.parametrize("scheme", list(Scheme))
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_forward_never_synchronizes_the_host(scheme, batch_invariant):
+    """Issue 4, item 6: steady-state calls (plain launches, decode-graph replays, cuBLAS at large M)
+    make no synchronizing CUDA call; torch's sync debug mode raises on the first one."""
+    n_k = [(4096, 4096), (1024, 2048), (6144, 14336)]     # GEMV / few splits, auto split-K, K > 8192
+    layers = [layer_for(n, k, scheme, "auto", batch_invariant=batch_invariant)[1] for n, k in n_k]
+    calls = [(layer, varied((m, layer.in_features), torch.bfloat16, seed=m).cuda())
+             for layer in layers for m in (1, 3, 16, 64, 256, 1024)]
+    warm = [[layer(x) for _ in range(3)][-1] for layer, x in calls]   # compile, capture, replay
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):   # the mode is armed: a real synchronization raises
+            warm[0].float().sum().item()
+        steady = [layer(x) for layer, x in calls for _ in range(2)][1::2]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(a, b) for a, b in zip(steady, warm))
+
+
 @pytest.mark.parametrize("scheme,m,gemv", [(Scheme.CHANNEL, 1, True), (Scheme.TENSOR, 1, True),
                                            (Scheme.BLOCK, 1, True), (Scheme.CHANNEL, 4, True),
                                            (Scheme.BLOCK, 3, True), (Scheme.CHANNEL, 4, False),
