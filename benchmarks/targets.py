@@ -49,16 +49,20 @@ DECODEX_IMPLS = {"bf16": "bf16-graph", **{f"{s}-shipped": f"fp8now-{s}-graph" fo
 Sets = list[tuple[str, dict[str, float]]]       # (file stem, impl -> seconds), oldest first
 
 
+def act_scales(m: int, k: int, scheme: str) -> int:
+    """Activation scales of one call: one per token, or per 1x128 group for block (SPEC §3)."""
+    return m * (math.ceil(k / 128) if scheme == "block" else 1)
+
+
 def scale_bytes(m: int, n: int, k: int, scheme: str) -> int:
-    """float32 weight + activation scale bytes of one call (SPEC §3; activations per token or group)."""
-    groups = math.ceil(k / 128)
-    weight = {"tensor": 1, "channel": n, "block": math.ceil(n / 128) * groups}[scheme]
-    return 4 * (weight + m * (groups if scheme == "block" else 1))
+    """float32 weight + activation scale bytes of one call."""
+    weight = {"tensor": 1, "channel": n, "block": math.ceil(n / 128) * math.ceil(k / 128)}[scheme]
+    return 4 * (weight + act_scales(m, k, scheme))
 
 
 def quant_s(m: int, k: int, scheme: str) -> float:
     """Least time of the activation quantizer pass: read bf16 [M, K], write FP8 [M, K] and its scales."""
-    return (3 * m * k + 4 * m * (math.ceil(k / 128) if scheme == "block" else 1)) / HBM_BYTES_PER_S
+    return (3 * m * k + 4 * act_scales(m, k, scheme)) / HBM_BYTES_PER_S
 
 
 def gemm_s(m: int, n: int, k: int, scheme: str) -> float:
@@ -73,14 +77,29 @@ def stream_s(m: int, n: int, k: int, scheme: str) -> float:
     return STREAM_FIXED_S + nbytes / STREAM_BYTES_PER_S
 
 
+def read_rows(path: str, keys: tuple[str, ...]) -> list[dict]:
+    """A results file's rows; a clear error naming the file when it is not a list of such rows."""
+    try:
+        with open(path) as f:
+            rows = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"targets.py: cannot read {path}: {e}") from None
+    bad = next((r for r in rows if not isinstance(r, dict) or not all(k in r for k in keys)), None) \
+        if isinstance(rows, list) else rows
+    if bad is not None:
+        raise SystemExit(f"targets.py: {path} is not a list of result rows with {', '.join(keys)}: "
+                         f"found {str(bad)[:120]}; pass bench_linear.py / probe_kernels.py decodex / "
+                         f"bench_quant.py results")
+    return rows
+
+
 def load(paths: list[str], grid_only: bool = True) -> dict[tuple[int, int, int], Sets]:
     """(M, N, K) -> the row sets measured for it, oldest first: per file, its eager and its graph rows;
     with `grid_only`, just the issue's shapes and M values."""
     runs: dict[tuple[int, int, int], Sets] = {}
     for path in paths:
         stem = os.path.basename(path).removesuffix(".json")
-        with open(path) as f:
-            rows = json.load(f)
+        rows = read_rows(path, ("M", "N", "K", "impl"))
         found: dict[tuple[int, int, int, bool], dict[str, float]] = {}
         for r in rows:
             if grid_only and (r["M"] not in M_VALUES or (r["N"], r["K"]) not in SHAPES):
@@ -263,8 +282,7 @@ def main(argv: list[str]) -> int:
     score_decode(runs, rows)
     score_peers(runs, rows)
     if args.quant:
-        with open(args.quant) as f:
-            score_quant(json.load(f), rows)
+        score_quant(read_rows(args.quant, ("what", "op", "shape", "bytes", "triton_gbps")), rows)
     print(markdown(rows))
     if args.json:
         tmp = args.json + ".tmp"

@@ -193,3 +193,15 @@ def test_a_loss_to_fast_accumulation_names_the_float32_peer_too(tmp_path):
     r = by(rows, "channel vs torchao", "eager", m, n, k)
     assert not r["met"] and r["peer"] == "torchao-row-compiled"
     assert f"torchao-row-f32acc-compiled takes {t['torchao-row-f32acc-compiled'] / 0.5:.2f}" in r["why"]
+
+
+def test_a_file_that_is_not_results_is_named_in_the_error(tmp_path):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps([dict(M=1, N=4096, K=4096, impl="bf16", ms=0.01)]))
+    for name, text in (("notjson.json", "{oops"), ("dict.json", json.dumps({"M": 1})),
+                       ("rows.json", json.dumps([dict(M=1, N=4096, impl="bf16", ms=0.01)]))):
+        (tmp_path / name).write_text(text)
+        run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "targets.py"), str(good),
+                              str(tmp_path / name)], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 1 and str(tmp_path / name) in run.stderr, (name, run.stderr)
+        assert run.stdout == ""
