@@ -20,6 +20,12 @@ GRID_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 
 GRID_M = [1, 16, 64, 256, 1024, 4096, 16384]
 
 
+def targets(*args) -> subprocess.CompletedProcess:
+    """benchmarks/targets.py run with these arguments."""
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "targets.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
 def score(tmp_path, files, *extra):
     """Write each {name: rows} file, run targets.py on them in order, return (scored rows, stdout)."""
     paths = []
@@ -27,8 +33,7 @@ def score(tmp_path, files, *extra):
         paths.append(tmp_path / f"{name}.json")
         paths[-1].write_text(json.dumps(rows))
     out = tmp_path / "scored.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "targets.py"), *map(str, paths),
-                          "--json", str(out), *extra], capture_output=True, text=True, timeout=120)
+    run = targets(*paths, "--json", out, *extra)
     assert run.returncode == 0, run.stderr[-3000:]
     assert not (tmp_path / "scored.json.tmp").exists()
     return json.loads(out.read_text()), run.stdout
@@ -53,8 +58,9 @@ def random_run(rng, impls, ms=GRID_M, shapes=GRID_SHAPES):
 def test_floors_are_the_bytes_and_flops_of_each_call(tmp_path):
     rng = random.Random(11)
     impls = ["bf16", "scaled_mm", "fp8now-channel", "fp8now-block", "bf16-graph", "fp8now-tensor-graph"]
-    rows, _ = score(tmp_path, {"run": random_run(rng, impls)})
-    times = {(r["impl"], r["M"], r["N"], r["K"]): r["ms"] * 1e-3 for r in random_run(random.Random(11), impls)}
+    run = random_run(rng, impls)
+    rows, _ = score(tmp_path, {"run": run})
+    times = {(r["impl"], r["M"], r["N"], r["K"]): r["ms"] * 1e-3 for r in run}
     for n, k in GRID_SHAPES:
         m = rng.choice([1024, 4096, 16384])
         # channel: quantizer pass (bf16 in, FP8 + one scale per row out), then the GEMM's bytes or MMAs
@@ -152,11 +158,7 @@ def test_quantizers_launch_bound_rows_skipped_and_per_tensor_capped(tmp_path):
              for r, c in ((1024, 4096), (16384, 8192))]
     path = tmp_path / "quant.json"
     path.write_text(json.dumps(quant))
-    out = tmp_path / "q.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "targets.py"), "--quant", str(path),
-                          "--json", str(out)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    rows = json.loads(out.read_text())
+    rows, _ = score(tmp_path, {}, "--quant", path)
     assert [(r["op"], r["shape"]) for r in rows] == [(f"{q['what']} {q['op']}", "16384 x 8192")
                                                      for q in quant if q["shape"][0] == 16384]
     for r, q in zip(rows, [q for q in quant if q["shape"][0] == 16384]):
@@ -166,8 +168,7 @@ def test_quantizers_launch_bound_rows_skipped_and_per_tensor_capped(tmp_path):
 
 
 def test_no_results_file_is_an_error():
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "targets.py")], capture_output=True,
-                         text=True, timeout=120)
+    run = targets()
     assert run.returncode == 2 and "name at least one results file" in run.stderr
 
 
@@ -201,7 +202,6 @@ def test_a_file_that_is_not_results_is_named_in_the_error(tmp_path):
     for name, text in (("notjson.json", "{oops"), ("dict.json", json.dumps({"M": 1})),
                        ("rows.json", json.dumps([dict(M=1, N=4096, impl="bf16", ms=0.01)]))):
         (tmp_path / name).write_text(text)
-        run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "targets.py"), str(good),
-                              str(tmp_path / name)], capture_output=True, text=True, timeout=120)
+        run = targets(good, tmp_path / name)
         assert run.returncode == 1 and str(tmp_path / name) in run.stderr, (name, run.stderr)
         assert run.stdout == ""
