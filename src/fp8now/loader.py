@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from .config import Fp8Config
-from .hf import (ST_DTYPES, Slot, build_skeleton, checkpoint_files, corrupt_error, index_map,
-                 keep_fp32_names, model_slots, resolve_name, scan_headers, set_submodule, swap_linears,
+from .checkpoint import ST_DTYPES, checkpoint_files, corrupt_error, index_map, scan_headers
+from .hf import (Slot, build_skeleton, keep_fp32_names, model_slots, resolve_name, set_submodule, swap_linears,
                  target_linears)
 from .linear import Fp8Linear, check_float_weight
 from .report import LayerRow, LoadReport, peak_host_rss_bytes, tensor_bytes, weight_error
