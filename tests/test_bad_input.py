@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from fp8now import Fp8Config
 from fp8now.loader import load
-from fp8now.tiny import save_checkpoint, write_tiny_checkpoint
+from tiny import save_checkpoint, write_tiny_checkpoint
 
 LAYER = "model.layers.1.mlp.up_proj"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fp8now.cli import main
-from fp8now.tiny import write_tiny_checkpoint
+from tiny import write_tiny_checkpoint
 
 from test_evaluate import save_byte_tokenizer
 from test_models import embedded_model_dir, needs_gguf

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from fp8now import Fp8Config
 from fp8now.evaluate import (ALL_SCHEMES, batches, bundled_text, compare_models, evaluate, expand_schemes,
                              plot_layer_errors, scheme_config, tokenize, windows)
-from fp8now.tiny import write_tiny_checkpoint
+from tiny import write_tiny_checkpoint
 
 SEQ_LEN, MAX_TOKENS = 64, 300  # 4 full windows and one of 44 tokens
 

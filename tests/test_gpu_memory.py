@@ -14,7 +14,7 @@ import torch
 
 from fp8now import Fp8Config
 from fp8now.loader import load
-from fp8now.tiny import save_checkpoint
+from tiny import save_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from fp8now import Fp8Config, Fp8Linear, quantize_weight
 from fp8now.loader import load, quantize_
-from fp8now.tiny import FAMILIES, save_checkpoint, tiny_model, unique_state_dict, write_tiny_checkpoint
+from tiny import FAMILIES, save_checkpoint, tiny_model, unique_state_dict, write_tiny_checkpoint
 
 SCHEMES = ("tensor", "channel", "block")
 

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from fp8now import Fp8Config, Fp8Linear, quantize_weight
 from fp8now.loader import load
 from fp8now.reload import reload_weights
-from fp8now.tiny import write_tiny_checkpoint
+from tiny import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tiny real transformers models and their safetensors checkpoints, for tests and examples.
+"""Tiny real transformers models and their safetensors checkpoints, for the tests (not shipped in the wheel).
 
 Every family below exists in transformers 5.24 (`llama`, `qwen2`, `qwen3`, `mistral`, `gemma`, `phi3`).
 The sizes are small but chosen so that 128x128 block tiles are partial somewhere: hidden 192
