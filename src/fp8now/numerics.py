@@ -28,22 +28,13 @@ class Fp8Format:
 
 
 E4M3FN = Fp8Format(torch.float8_e4m3fn, 448.0)
-# MI300-class GPUs: the format's max is 240, but 224 measurably keeps accuracy better (SPEC §2).
+# MI300-class GPUs: the format's max is 240, but 224 measurably keeps accuracy better (SPEC §2). The policy
+# value a ROCm path would pass as `fmt`; no path selects it yet (nothing here runs on ROCm).
 E4M3FNUZ = Fp8Format(torch.float8_e4m3fnuz, 224.0)
 
 BLOCK_AMAX_FLOOR = 1e-4   # block weights: a = max(amax, 1e-4)
 GROUP_AMAX_FLOOR = 1e-10  # 1x128 activation groups: s = max(amax, 1e-10) / FMAX
 CHUNK_BYTES = 64 << 20    # float32 temporary per weight chunk
-
-
-def fp8_format(device: torch.device | str | None = None) -> Fp8Format:
-    """The FP8 format used on `device`: e4m3fnuz on AMD MI300-class (gfx94x) GPUs, else e4m3fn."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type == "cuda" and torch.version.hip is not None:
-        arch = torch.cuda.get_device_properties(device).gcnArchName
-        if arch.startswith("gfx94"):
-            return E4M3FNUZ
-    return E4M3FN
 
 
 # How each kind of group turns amax into a scale and divides by it.
@@ -113,12 +104,6 @@ def _tiled(x32: torch.Tensor, gr: int, gc: int) -> torch.Tensor:
     if pr or pc:
         x32 = torch.nn.functional.pad(x32, (0, pc, 0, pr))
     return x32.view(x32.shape[0] // gr, gr, x32.shape[1] // gc, gc)
-
-
-def group_amax(x: torch.Tensor, group: tuple[int, int]) -> torch.Tensor:
-    """Float32 max |x| per group of a 2-D tensor: [ceil(R/gr), ceil(C/gc)]."""
-    gr, gc = _groups(*x.shape, group)
-    return _tiled(x.float(), gr, gc).abs().amax(dim=(1, 3))
 
 
 def _quantize_2d(x: torch.Tensor, group: tuple[int, int], rule: str, fmt: Fp8Format,
