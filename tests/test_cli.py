@@ -56,7 +56,7 @@ def test_eval_json_is_one_object_with_every_scheme(tmp_path):
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)  # stdout holds the JSON object and nothing else
     assert res["text"]["name"] == "licenses.txt" and res["text"]["tokens"] == 256
-    assert list(res["schemes"]) == ["channel", "block", "tensor", "tensor-pt"]
+    assert list(res["schemes"]) == ["channel", "block", "tensor", "tensor-tensor"]
     for key, r in res["schemes"].items():
         assert 0 < r["kl"] < 1 and 0.5 < r["top1"] <= 1, key
         assert math.isfinite(r["ppl_bf16"]) and math.isfinite(r["ppl_fp8"]) and r["ppl_bf16"] < 100, key
@@ -77,7 +77,7 @@ def test_inspect_prints_the_load_report():
 @needs_gguf
 def test_bad_scheme_lists_the_valid_names():
     line = one_error_line(fp8now("run", "--scheme", "int4"))
-    assert "'int4'" in line and "ptpc" in line and "tensor-pt" in line
+    assert "'int4'" in line and "ptpc" in line and "tensor-tensor" in line
 
 
 @pytest.mark.slow
@@ -116,3 +116,23 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(tiny_dir, capsys):
     assert "unknown device" in capsys.readouterr().err
     with pytest.raises(FileNotFoundError):
         main(["inspect", "/no/such/model", "--debug"])
+
+
+def test_another_tools_scheme_name_works_end_to_end(tiny_dir, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 4)
+    proc = subprocess.run([sys.executable, "-m", "fp8now.cli", "eval", str(tiny_dir), "--scheme", "FP8_PER_TENSOR",
+                           "--text", str(text), "--seq-len", "90", "--device", "cpu", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    assert list(res["schemes"]) == ["tensor-tensor"]  # vLLM's fp8_per_tensor: per-tensor weights and activations
+    config = res["schemes"]["tensor-tensor"]["config"]
+    assert (config["scheme"], config["activation"]) == ("tensor", "tensor")
+
+
+def test_bare_fp8_is_one_line_listing_each_tools_meaning(tiny_dir, capsys):
+    assert main(["inspect", str(tiny_dir), "--scheme", "Fp8"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "FP8 scheme 'Fp8': bare fp8" in err
+    assert "vLLM" in err and "FineGrainedFP8Config" in err and "llm-compressor" in err

@@ -50,13 +50,17 @@ def test_bundled_text_is_the_licences():
 
 
 def test_scheme_names():
-    assert expand_schemes(["all"]) == list(ALL_SCHEMES) == ["channel", "block", "tensor", "tensor-pt"]
-    assert expand_schemes(["ptpc", "channel", "fp8_block"]) == ["channel", "block"]
-    key, config = scheme_config("tensor-pt")
-    assert key == "tensor-pt" and config.scheme.value == "tensor" and config.act_kind() == "tensor"
-    assert scheme_config("per-tensor")[1].act_kind() == "token"
-    with pytest.raises(ValueError, match="valid names: .*tensor-pt"):
-        scheme_config("int4")
+    assert expand_schemes(["all"]) == list(ALL_SCHEMES) == ["channel", "block", "tensor", "tensor-tensor"]
+    assert expand_schemes(["ptpc", "channel", "fp8_block", "FP8_PER_TENSOR", "tensorwise"]) == [
+        "channel", "block", "tensor-tensor"]
+    key, config = scheme_config("tensor-tensor")
+    assert key == "tensor-tensor" and config.scheme.value == "tensor" and config.act_kind() == "tensor"
+    assert scheme_config("per-tensor") == ("tensor", Fp8Config(scheme="tensor"))
+    with pytest.raises(ValueError, match=r"unknown FP8 scheme 'Int4'; fp8now names: .*tensor-tensor.*"
+                                         r"eval also takes all"):
+        expand_schemes(["Int4"])
+    with pytest.raises(ValueError, match="FP8 scheme 'fp8': bare fp8"):
+        expand_schemes(["fp8"])
 
 
 def test_windows_and_batches():
@@ -118,7 +122,7 @@ def test_all_schemes_give_sane_numbers_and_layer_rows(tiny_dir, text, tmp_path):
         assert len(r["layers"]) == 14  # 2 blocks x (q, k, v, o, gate, up, down)
         assert all(row["sqnr_db"] > 20 and row["rel_diff"] < 1e-2 for row in r["layers"]), key
         assert "layers" not in r["load_report"] and r["load_report"]["fp8_bytes"] > 0
-    assert res["schemes"]["tensor-pt"]["config"]["activation"] == "tensor"
+    assert res["schemes"]["tensor-tensor"]["config"]["activation"] == "tensor"
     assert len({r["ppl_bf16"] for r in res["schemes"].values()}) == 1  # one reference for all
     png = plot_layer_errors(res, tmp_path / "sub" / "sqnr.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -27,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fp8now", description="Run bf16 LLM checkpoints in FP8, quantized "
                                 "while they load.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    scheme_help = "channel (ptpc), block, tensor, tensor-pt (per-tensor activations); aliases accepted"
+    scheme_help = "channel, block, tensor, tensor-tensor (per-tensor activations); vLLM/llm-compressor names too"
 
     run = sub.add_parser("run", parents=[common], help="load in FP8 and generate (greedy and sampled)")
     run.add_argument("--scheme", default="channel", help=scheme_help + " (default: channel)")

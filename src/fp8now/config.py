@@ -22,22 +22,8 @@ class Scheme(str, Enum):
 
     @classmethod
     def parse(cls, name: str | Scheme) -> Scheme:
-        """`Scheme.parse("ptpc") is Scheme.CHANNEL`; unknown names raise listing the valid ones."""
-        if isinstance(name, Scheme):
-            return name
-        key = str(name).strip().lower().replace("_", "-")
-        if key in _ALIASES:
-            return _ALIASES[key]
-        valid = ", ".join(sorted(_ALIASES))
-        raise ValueError(f"unknown FP8 scheme {name!r}; valid names: {valid}")
-
-
-_ALIASES: dict[str, Scheme] = {
-    "tensor": Scheme.TENSOR, "per-tensor": Scheme.TENSOR, "fp8": Scheme.TENSOR,
-    "channel": Scheme.CHANNEL, "ptpc": Scheme.CHANNEL, "per-channel": Scheme.CHANNEL,
-    "fp8-dynamic": Scheme.CHANNEL,
-    "block": Scheme.BLOCK, "per-block": Scheme.BLOCK, "fp8-block": Scheme.BLOCK,
-}
+        """The weight scheme of any accepted name: `Scheme.parse("ptpc") is Scheme.CHANNEL`."""
+        return name if isinstance(name, Scheme) else parse_scheme_name(name)[0]
 
 # Group shapes (rows, cols) of one scale; -1 spans the whole dimension.
 #   weight [N, K]: tensor (-1, -1) -> scale [];  channel (1, -1) -> [N, 1];  block (128, 128) -> [N/128, K/128]
@@ -66,11 +52,76 @@ ALLOWED_ACT: dict[Scheme, tuple[str, ...]] = {
 }
 
 
+# Every scheme name a user may type -> (weight scheme, activation kind). Keys are lower case with `-`;
+# parse_scheme_name folds case and `_`. fp8now's grammar: `<weight>` (the scheme's default
+# activations) or `<weight>-<activation>`. The other tools' names map to what those tools compute.
+SCHEME_NAMES: dict[str, tuple[Scheme, str]] = {
+    # fp8now's own
+    "channel": (Scheme.CHANNEL, "token"), "block": (Scheme.BLOCK, "group"),
+    "tensor": (Scheme.TENSOR, "token"), "tensor-tensor": (Scheme.TENSOR, "tensor"),
+    "channel-token": (Scheme.CHANNEL, "token"), "block-group": (Scheme.BLOCK, "group"),
+    "tensor-token": (Scheme.TENSOR, "token"),
+    "per-tensor": (Scheme.TENSOR, "token"), "per-channel": (Scheme.CHANNEL, "token"),
+    "per-block": (Scheme.BLOCK, "group"),
+    # vLLM (`--quantization`): its documented fp8_per_tensor recipe scales activations per tensor
+    "fp8-per-tensor": (Scheme.TENSOR, "tensor"), "fp8-per-channel": (Scheme.CHANNEL, "token"),
+    "fp8-per-block": (Scheme.BLOCK, "group"), "ptpc-fp8": (Scheme.CHANNEL, "token"),
+    "ptpc": (Scheme.CHANNEL, "token"),
+    # llm-compressor presets (its `FP8` calibrates static activation scales: see AMBIGUOUS_NAMES)
+    "fp8-dynamic": (Scheme.CHANNEL, "token"), "fp8-block": (Scheme.BLOCK, "group"),
+    # torchao / torch._scaled_mm scaling granularities (the same granularity for both operands)
+    "row": (Scheme.CHANNEL, "token"), "rowwise": (Scheme.CHANNEL, "token"),
+    "tensorwise": (Scheme.TENSOR, "tensor"), "blockwise": (Scheme.BLOCK, "group"),
+}
+
+# Names that mean different things in different tools: refused with what each one means.
+AMBIGUOUS_NAMES: dict[str, str] = {
+    "fp8": "bare fp8 means a different scheme in each tool, so fp8now does not guess: "
+           "vLLM's --quantization fp8 is per-tensor weights with dynamic per-tensor activation scales "
+           "(type tensor-tensor, or fp8_per_tensor); transformers' FineGrainedFP8Config (quant_method "
+           "\"fp8\") is 128x128 weight blocks with 1x128 activation groups (type block, or fp8_block); "
+           "llm-compressor's FP8 preset is per-tensor weights with static per-tensor activation scales "
+           "from calibration, which fp8now does not do (tensor-tensor is its dynamic counterpart). "
+           "fp8now's default is channel (per-channel weights, per-token activations)",
+}
+
+
+def parse_scheme_name(text: str) -> tuple[Scheme, str]:
+    """(weight scheme, activation kind) of a scheme name; errors quote `text` exactly as given."""
+    key = str(text).strip().lower().replace("_", "-")
+    if key in SCHEME_NAMES:
+        return SCHEME_NAMES[key]
+    if key in AMBIGUOUS_NAMES:
+        raise ValueError(f"FP8 scheme {text!r}: {AMBIGUOUS_NAMES[key]}")
+    own = list(dict.fromkeys(scheme_key(*v) for v in SCHEME_NAMES.values()))
+    others = [k for k in SCHEME_NAMES if k not in own]
+    raise ValueError(f"unknown FP8 scheme {text!r}; fp8now names: {', '.join(own)}; also accepted "
+                     f"(any case, _ or -): {', '.join(others)}")
+
+
+def scheme_key(scheme: Scheme, act: str) -> str:
+    """fp8now's name of a (scheme, activation) pair: `channel`, or `tensor-tensor` off the default."""
+    return scheme.value if act == DEFAULT_ACT[scheme] else f"{scheme.value}-{act}"
+
+
+def _named_activation(field: str, name: str | Scheme, activation: str) -> tuple[Scheme, str]:
+    """A scheme field's Scheme and the activation the config then takes (`tensorwise` fixes it)."""
+    if isinstance(name, Scheme):
+        return name, activation
+    scheme, act = parse_scheme_name(name)
+    if act == DEFAULT_ACT[scheme] or activation == act:
+        return scheme, activation
+    if activation == "auto":
+        return scheme, act
+    raise ValueError(f"{field}={name!r} means per-{act} activation scales, but activation={activation!r}")
+
+
 @dataclass(frozen=True)
 class Fp8Config:
     """What to quantize and how.
 
-    scheme: `tensor`, `channel` or `block` (or an alias, e.g. "ptpc").
+    scheme: `tensor`, `channel`, `block`, or any name in SCHEME_NAMES (e.g. "ptpc", "tensorwise"; a
+        name that fixes the activations, like "tensor-tensor", sets `activation`).
     moe_scheme: scheme for routed experts (defaults to `scheme`).
     ignore: module names left in high precision: exact names, fnmatch globs, or `re:` regexes.
     backend: "auto" (the dispatch table) or a forced backend name.
@@ -89,9 +140,12 @@ class Fp8Config:
     decode_graphs: bool = True
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "scheme", Scheme.parse(self.scheme))
+        scheme, activation = _named_activation("scheme", self.scheme, self.activation)
         if self.moe_scheme is not None:
-            object.__setattr__(self, "moe_scheme", Scheme.parse(self.moe_scheme))
+            moe, activation = _named_activation("moe_scheme", self.moe_scheme, activation)
+            object.__setattr__(self, "moe_scheme", moe)
+        object.__setattr__(self, "scheme", scheme)
+        object.__setattr__(self, "activation", activation)
         if isinstance(self.ignore, str):
             raise TypeError(f"Fp8Config.ignore must be a sequence of names, got the string {self.ignore!r}")
         object.__setattr__(self, "ignore", tuple(self.ignore))

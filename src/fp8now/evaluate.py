@@ -27,36 +27,32 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import Fp8Config, Scheme
+from .config import Fp8Config, scheme_key
 from .models import _umask
 
 # `--scheme all`: the three schemes, plus per-tensor weights with per-tensor activations, the
 # configuration users usually compare against.
-ALL_SCHEMES = ("channel", "block", "tensor", "tensor-pt")
-EXTRA_SCHEMES = {"tensor-pt": dict(scheme=Scheme.TENSOR, activation="tensor")}
+ALL_SCHEMES = ("channel", "block", "tensor", "tensor-tensor")
 BUNDLED_TEXT = "licenses.txt"
 
 
 def scheme_config(name: str) -> tuple[str, Fp8Config]:
-    """(canonical key, config) for a scheme name or alias; `tensor-pt` is tensor with per-tensor act."""
-    key = str(name).strip().lower().replace("_", "-")
-    if key in EXTRA_SCHEMES:
-        return key, Fp8Config(**EXTRA_SCHEMES[key])
-    try:
-        scheme = Scheme.parse(key)
-    except ValueError as e:
-        raise ValueError(f"{e}, {', '.join(EXTRA_SCHEMES)} (and `all` for eval)") from None
-    return scheme.value, Fp8Config(scheme=scheme)
+    """(fp8now's name, config) for any scheme name config.py accepts, e.g. `ptpc` -> `channel`."""
+    config = Fp8Config(scheme=name)
+    return scheme_key(config.scheme, config.act_kind()), config
 
 
 def expand_schemes(names: Sequence[str]) -> list[str]:
     """Canonical scheme keys in order, without repeats; `all` expands to ALL_SCHEMES."""
     keys: list[str] = []
     for name in names:
-        expanded = ALL_SCHEMES if str(name).strip().lower() == "all" else (scheme_config(name)[0],)
+        try:
+            expanded = ALL_SCHEMES if str(name).strip().lower() == "all" else (scheme_config(name)[0],)
+        except ValueError as e:
+            raise ValueError(f"{e} (eval also takes all: {', '.join(ALL_SCHEMES)})") from None
         keys += [k for k in expanded if k not in keys]
     if not keys:
-        raise ValueError("no scheme given; choose one of channel, block, tensor, tensor-pt or all")
+        raise ValueError(f"no scheme given; choose one of {', '.join(ALL_SCHEMES)} or all")
     return keys
 
 
@@ -195,7 +191,7 @@ def evaluate(model_dir: str | os.PathLike, schemes: Sequence[str], text: str, *,
     "eval_s", "layers": [per-layer rows], "load_report": {...}}}}`. `kl` is the mean KL(bf16 || fp8)
     in nats per predicted token; `top1` the fraction of positions where both argmaxes agree.
     `load_report` is `LoadReport.to_dict()` without its `layers` (they are under `layers`).
-    Scheme keys: "channel", "block", "tensor", "tensor-pt" (aliases and "all" accepted).
+    Scheme keys: "channel", "block", "tensor", "tensor-tensor" (any name config.py accepts, and "all").
     """
     from tqdm.auto import tqdm
 
@@ -261,7 +257,7 @@ def plot_layer_errors(results: dict, path: str | os.PathLike) -> Path:
         rows = res["layers"]
         names = names or [r["name"] for r in rows]
         y = [math.nan if r["sqnr_db"] is None else r["sqnr_db"] for r in rows]
-        style = ("-", "--", "-.", ":")[i % 4]  # tensor and tensor-pt share weights: keep both visible
+        style = ("-", "--", "-.", ":")[i % 4]  # tensor and tensor-tensor share weights: keep both visible
         ax.plot(range(len(rows)), y, linestyle=style, marker=".", linewidth=0.8, markersize=3,
                 label=f"{key} (KL {res['kl']:.2e}, top-1 {100 * res['top1']:.1f}%)")
     _block_ticks(ax, names)
