@@ -123,7 +123,7 @@ def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=5, rep_ms=25,
             ms = fn()
             rows.append(dict(M=m, N=n, K=k, impl=impl, ms=ms, **(extra or {})))
         except Exception as e:  # noqa: BLE001 - a failed row is a result worth recording
-            rows.append(dict(M=m, N=n, K=k, impl=impl, error=f"{type(e).__name__}: {str(e)[:300]}"))
+            rows.append(dict(M=m, N=n, K=k, impl=impl, ms=None, error=f"{type(e).__name__}: {str(e)[:300]}"))
 
     for n, k in shapes:
         t0 = time.time()
@@ -147,13 +147,15 @@ def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=5, rep_ms=25,
                     torch_layers[f"fp8now-{s.value}@torch"] = Fp8Linear.from_linear(
                         lin, Fp8Config(scheme=s, backend="torch"))
                 except RuntimeError as e:
-                    rows.append(dict(M=None, N=n, K=k, impl=f"fp8now-{s.value}@torch", error=str(e)[:300]))
+                    rows.append(dict(M=None, N=n, K=k, impl=f"fp8now-{s.value}@torch", ms=None,
+                                     error=str(e)[:300]))
             layers.update(torch_layers)
             if with_torchao:
                 try:
                     peers = torchao_layers(lin, torchao_accum)
                 except Exception as e:  # noqa: BLE001 - the rows say why the peer is missing
-                    rows.append(dict(M=None, N=n, K=k, impl="torchao", error=f"{type(e).__name__}: {e}"[:300]))
+                    rows.append(dict(M=None, N=n, K=k, impl="torchao", ms=None,
+                                     error=f"{type(e).__name__}: {e}"[:300]))
             if with_compiled:   # one compile per module: M is dynamic, the weight shape static
                 compiled = {name + "-compiled": torch.compile(mod, dynamic=True) for name, mod in peers.items()}
             if with_fp8now_compiled:
@@ -188,12 +190,12 @@ def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=5, rep_ms=25,
 
 def summary(rows: list[dict]) -> str:
     """Speed-up over bf16 per (shape, M): graph rows against bf16-graph, host-launched rows against bf16."""
-    seen = {r["impl"] for r in rows if "ms" in r}
+    seen = {r["impl"] for r in rows if r["ms"] is not None}
     impls = [i for i in ("scaled_mm", "fp8now-tensor", "fp8now-channel", "fp8now-block", "torchao-row",
                          "torchao-row-compiled", "torchao-row-f32acc-compiled", "torchao-block-compiled",
                          "fp8now-channel-compiled", "fp8now-tensor-graph", "fp8now-channel-graph",
                          "fp8now-block-graph", "scaled_mm-graph") if i in seen]
-    ms = {(r["M"], r["N"], r["K"], r["impl"]): r["ms"] for r in rows if "ms" in r}
+    ms = {(r["M"], r["N"], r["K"], r["impl"]): r["ms"] for r in rows if r["ms"] is not None}
     keys = sorted({(m, n, k) for m, n, k, _ in ms}, key=lambda t: (t[1], t[2], t[0]))
     lines = [f"{'M':>6} {'N':>6} {'K':>6} {'bf16 ms':>8} " + " ".join(f"{i[:14]:>14}" for i in impls)]
     for m, n, k in keys:

@@ -15,16 +15,22 @@ import torch
 META_KEYS = ("date", "gpu", "torch", "triton", "commit", "command")
 
 
-def commit() -> str | None:
-    """The checkout's short commit, or None outside a git checkout (a copied tree)."""
+def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10, cwd=os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if out.returncode != 0:
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def commit() -> str | None:
+    """The checkout's short commit, "+dirty" when tracked files differ from it (the measured code is
+    then not that commit's), or None outside a git checkout."""
+    head = _git("rev-parse", "--short", "HEAD")
+    if not head:
         return None
-    return out.stdout.strip() or None
+    return head + "+dirty" if _git("status", "--porcelain", "--untracked-files=no") else head
 
 
 def meta(device: str = "cuda", argv: list[str] | None = None) -> dict:

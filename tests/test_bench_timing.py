@@ -98,3 +98,15 @@ def test_results_file_holds_meta_and_rows(tmp_path):
     (tmp_path / "old.json").write_text(json.dumps(rows))   # the old format: a bare list of rows
     with pytest.raises(ValueError, match="old.json: not a results file"):
         record.read(str(tmp_path / "old.json"))
+
+
+def test_meta_names_the_checkout_commit():
+    import subprocess
+    root = os.path.join(os.path.dirname(__file__), "..")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout (a copied tree): commit is None there")
+    got = record.commit()
+    assert got.split("+")[0] and head.stdout.strip().startswith(got.split("+")[0])
+    assert got.endswith("+dirty") == bool(subprocess.run(
+        ["git", "diff", "HEAD", "--quiet"], cwd=root).returncode)
