@@ -107,15 +107,27 @@ def eager_calls(x: torch.Tensor, lin: torch.nn.Linear, layers: dict, blockwise: 
     return calls
 
 
+def added_to(path: str, info: dict, shapes) -> tuple[dict, list[dict]]:
+    """(meta, rows) to continue a grid split over several calls: the rows of `path` for other shapes,
+    which must come from the same commit and GPU (ratios are only taken between rows of one shape)."""
+    old, rows = record.read(path)
+    if (old["commit"], old["gpu"]) != (info["commit"], info["gpu"]):
+        raise SystemExit(f"{path} was measured at {old['commit']} on {old['gpu']}, this run is {info['commit']} "
+                         f"on {info['gpu']}: run the whole grid again without --add")
+    return dict(info, command=f"{old['command']} ; {info['command']}"), \
+        [r for r in rows if (r["N"], r["K"]) not in set(shapes)]
+
+
 def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=5, rep_ms=25, with_torchao=True,
         with_compiled=True, with_graphs=True, with_eager=True, with_kernels=False, torchao_accum="fast",
-        with_fp8now_compiled=False) -> list[dict]:
+        with_fp8now_compiled=False, add=False) -> list[dict]:
     from fp8now import Fp8Config, Fp8Linear, Scheme
     dev = "cuda"
     torch._dynamo.config.recompile_limit = 1024      # the compiled peers must not fall back to eager
     torch._dynamo.config.accumulated_recompile_limit = 4096
-    info = record.meta()
-    rows: list[dict] = []
+    info, rows = record.meta(), []
+    if add:
+        info, rows = added_to(out_path, info, shapes)
 
     def measure(m, n, k, impl, fn, extra=None):
         """One row: fn() -> ms (fn may fill `extra`), or the error that stopped it (a gap in the table)."""
@@ -225,6 +237,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help="subset, e.g. 4096x4096,28672x4096 (N x K)")
     ap.add_argument("--m-values", default="", help="subset of M, e.g. 1024,4096,16384")
     ap.add_argument("--rep-ms", type=int, default=25, help="do_bench time per measurement")
+    ap.add_argument("--add", action="store_true", help="keep the other shapes' rows of --out (same commit "
+                    "and GPU): a grid split over several calls")
     ap.add_argument("--kernels", action="store_true",
                     help="record each eager row's CUDA kernels (torch.profiler, M >= 1024)")
     args = ap.parse_args()
@@ -239,7 +253,7 @@ def main() -> None:
     if args.m_values:
         kw["m_values"] = [int(v) for v in args.m_values.split(",")]
     rows = run(out, with_torchao=not args.no_torchao, rep_ms=args.rep_ms, with_kernels=args.kernels,
-               torchao_accum=args.torchao_accum, with_fp8now_compiled=args.fp8now_compiled, **kw)
+               torchao_accum=args.torchao_accum, with_fp8now_compiled=args.fp8now_compiled, add=args.add, **kw)
     print(summary(rows))
 
 

@@ -5,6 +5,8 @@
 # benchmarks/results/; copy the files there to replace the current ones. Environment:
 #   LINEAR_SHAPES  N x K list for bench_linear (e.g. 4096x4096,8192x8192; default all seven shapes,
 #                  ~3 min each with torchao compiled: split the grid over several calls)
+#   LINEAR_ADD=1   start from benchmarks/results/linear_h200.json (the previous call's file, copied
+#                  there) and add this call's shapes to it (bench_linear --add: same commit and GPU)
 #   LINEAR_ARGS    more bench_linear flags (e.g. "--torchao-accum both --no-torchao")
 #   MODEL_ARGS     bench_model flags (e.g. "--torchao --compile --layers 2")
 #   GPU_TESTS      test files for the tests phase (default: every GPU test file)
@@ -33,7 +35,8 @@ if has decode; then
   timeout 300 python3 benchmarks/bench_linear.py --decode --out "$OUT/decode_h200.json" 2>&1 | tail -50 || rc=1
 fi
 if has linear; then
-  timeout 560 python3 benchmarks/bench_linear.py ${LINEAR_SHAPES:+--shapes $LINEAR_SHAPES} ${LINEAR_ARGS:-} \
+  [ -n "${LINEAR_ADD:-}" ] && cp benchmarks/results/linear_h200.json "$OUT/linear_h200.json"
+  timeout 560 python3 benchmarks/bench_linear.py ${LINEAR_SHAPES:+--shapes $LINEAR_SHAPES} ${LINEAR_ADD:+--add} ${LINEAR_ARGS:-} \
     --out "$OUT/linear_h200.json" 2>&1 | tail -60 || rc=1
 fi
 if has model; then
