@@ -1,25 +1,33 @@
-"""Time one linear layer per call: bf16, bare FP8 `_scaled_mm` (rowwise, tensorwise, blockwise on
-pre-quantized inputs), fp8now's schemes (activation quantization included) and torchao's float8
-dynamic configs, eager and compiled, in one run; and the GPU time (host removed) of bf16, fp8now and
-bare `_scaled_mm` calls replayed from CUDA graphs (`-graph` rows).
+"""Time one linear layer per call, every implementation in one run so that ratios are taken within it:
+bf16, bare FP8 `_scaled_mm` on pre-quantized inputs (rowwise, tensorwise, blockwise), fp8now's schemes
+(activation quantization included) and torchao's float8 dynamic configs, eager and compiled; and the
+GPU time (host removed) of bf16, fp8now and bare `_scaled_mm` replayed from CUDA graphs (`-graph` rows),
+each on the same number of separate weight copies (timing.GraphTimer).
 
-CUDA only. `PYTHONPATH=src python benchmarks/bench_linear.py --out benchmarks/results/linear_h200_DATE.json`
-Times are the median of `triton.testing.do_bench` (which flushes L2 before every call).
+CUDA only:
+    PYTHONPATH=src python benchmarks/bench_linear.py                 # -> results/linear_h200.json
+    PYTHONPATH=src python benchmarks/bench_linear.py --decode        # M = 1-16, graph rows only
+                                                                     # -> results/decode_h200.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import os
 import sys
 import time
 
 import torch
 
+import record
+from timing import GraphTimer, copies_for, kernels_of, l2_flushed_ms, separate_copies
+
 M_VALUES = [1, 16, 64, 256, 1024, 4096, 16384]
+DECODE_M = [1, 2, 4, 8, 16]
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192), (57344, 8192),
           (8192, 28672)]
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def varied(rows: int, cols: int, seed: int, device: str) -> torch.Tensor:
@@ -32,55 +40,20 @@ def varied(rows: int, cols: int, seed: int, device: str) -> torch.Tensor:
     return x * r * t * 0.02
 
 
-def bench(fn, warmup_ms: int, rep_ms: int) -> float:
-    import triton.testing
-    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-
-
-def kernels_of(fn, calls=3) -> list[tuple[str, float]]:
-    """(kernel name, mean device µs per layer call) of the CUDA kernels `fn` launches."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    out = []
-    for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", None)
-        if t is None:
-            t = getattr(e, "self_cuda_time_total", 0.0)
-        if t > 0:
-            out.append((e.key[:90], t / calls))
-    return sorted(out, key=lambda r: -r[1])
-
-
-def graph_ms(make_call, copies: int, warmup_ms: int, rep_ms: int) -> float:
-    """GPU time per call without host launch overhead: `copies` calls (each on its own weight copy,
-    so the weights stream from HBM and not L2) captured in one CUDA graph; replay time / copies."""
-    calls = [make_call(i) for i in range(copies)]
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    return bench(graph.replay, warmup_ms, rep_ms) / copies
+def cublas_blockwise_takes(k: int) -> bool:
+    """cuBLAS blockwise scaling wants the weight scale's leading dimension K/128 16-byte aligned."""
+    return k % 512 == 0
 
 
 # torchao's GEMM accumulation: (name suffix, use_fast_accum) per choice of --torchao-accum. "fast" is
-# its default on sm_90 (cuBLAS fast accumulation, partial sums not promoted to float32 along K);
-# "f32" accumulates in float32, as SPEC §4 asks of fp8now.
+# its default on sm_90 (partial sums not promoted to float32 along K); "f32" is what SPEC §4 asks of
+# fp8now, the like-for-like peer.
 TORCHAO_ACCUM = {"fast": (("", True),), "f32": (("-f32acc", False),),
                  "both": (("", True), ("-f32acc", False))}
 
 
 def torchao_layers(lin: torch.nn.Linear, accum: str = "fast") -> dict[str, torch.nn.Module]:
-    """The peer: torchao float8 dynamic activation + weight, per tensor / per row / 1x128-128x128.
-
-    `accum`: a key of TORCHAO_ACCUM (float32 accumulation adds "-f32acc" to the names)."""
+    """The peer: torchao float8 dynamic activation + weight, per tensor / per row / 1x128-128x128."""
     import copy
 
     from torchao.float8.inference import Float8MMConfig
@@ -98,151 +71,163 @@ def torchao_layers(lin: torch.nn.Linear, accum: str = "fast") -> dict[str, torch
     return out
 
 
-def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=5, rep_ms=25,
-        with_torchao=True, with_compiled=True, with_graphs=True, with_kernels=False,
-        torchao_accum="fast", with_fp8now_compiled=False) -> list[dict]:
+def graph_calls(x: torch.Tensor, blockwise: bool) -> dict:
+    """impl -> (copies key, call on one copy) for the GPU-time rows; the copies are built per shape."""
+    from fp8now import quantize_activation
+    x_q, x_s = quantize_activation(x, "token")
+    calls = {"bf16-graph": ("bf16", lambda c: torch.nn.functional.linear(x, c.weight)),
+             **{f"fp8now-{s}-graph": (s, lambda c: c(x)) for s in ("tensor", "channel", "block")},
+             "scaled_mm-graph": ("channel", lambda c: torch._scaled_mm(
+                 x_q, c.weight.t(), x_s, c.weight_scale.reshape(1, -1), out_dtype=torch.bfloat16))}
+    if blockwise:
+        x_qb, x_sb = quantize_activation(x, "group")
+        x_sb = x_sb.t().contiguous().t()     # column-major [M, K/128], as cuBLAS blockwise reads it
+        calls["scaled_mm-blockwise-graph"] = ("block", lambda c: torch._scaled_mm(
+            x_qb, c.weight.t(), x_sb, c.weight_scale.t(), out_dtype=torch.bfloat16))
+    return calls
+
+
+def eager_calls(x: torch.Tensor, lin: torch.nn.Linear, layers: dict, blockwise: bool) -> dict:
+    """impl -> call for the host-launched rows: bf16, bare `_scaled_mm` on pre-quantized operands, fp8now."""
+    from fp8now import quantize_activation
+    x_q, x_s = quantize_activation(x, "token")
+    x_qt, x_st = quantize_activation(x, "tensor")
+    ch, te = layers["fp8now-channel"], layers["fp8now-tensor"]
+    calls = {"bf16": lambda: torch.nn.functional.linear(x, lin.weight),
+             "scaled_mm": lambda: torch._scaled_mm(x_q, ch.weight.t(), x_s, ch.weight_scale.reshape(1, -1),
+                                                   out_dtype=torch.bfloat16),
+             "scaled_mm-tensorwise": lambda: torch._scaled_mm(x_qt, te.weight.t(), x_st, te.weight_scale,
+                                                              out_dtype=torch.bfloat16)}
+    if blockwise:
+        x_qb, x_sb = quantize_activation(x, "group")
+        x_sb = x_sb.t().contiguous().t()
+        bl = layers["fp8now-block"]
+        calls["scaled_mm-blockwise"] = lambda: torch._scaled_mm(x_qb, bl.weight.t(), x_sb, bl.weight_scale.t(),
+                                                                out_dtype=torch.bfloat16)
+    return calls
+
+
+def added_to(path: str, info: dict, shapes) -> tuple[dict, list[dict]]:
+    """(meta, rows) to continue a grid split over several calls: the rows of `path` for other shapes,
+    which must come from the same commit and GPU (ratios are only taken between rows of one shape)."""
+    old, rows = record.read(path)
+    if (old["commit"], old["gpu"]) != (info["commit"], info["gpu"]):
+        raise SystemExit(f"{path} was measured at {old['commit']} on {old['gpu']}, this run is {info['commit']} "
+                         f"on {info['gpu']}: run the whole grid again without --add")
+    return dict(info, command=f"{old['command']} ; {info['command']}"), \
+        [r for r in rows if (r["N"], r["K"]) not in set(shapes)]
+
+
+def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=5, rep_ms=25, with_torchao=True,
+        with_compiled=True, with_graphs=True, with_eager=True, with_kernels=False, torchao_accum="fast",
+        with_fp8now_compiled=False, add=False) -> list[dict]:
     from fp8now import Fp8Config, Fp8Linear, Scheme
-    from fp8now.kernels import torch_mm
-    from fp8now.numerics import quantize_activation, quantize_weight
     dev = "cuda"
     torch._dynamo.config.recompile_limit = 1024      # the compiled peers must not fall back to eager
     torch._dynamo.config.accumulated_recompile_limit = 4096
-    # The compiled peers: M is dynamic; the weight shapes stay static (torch's default). Dynamic weight
-    # shapes (one compile for all shapes) were tried on the H200, 2026-12-02: they saved no time and
-    # made torchao-tensor-compiled 4.5x slower at M=16384, an unfair peer.
-    rows: list[dict] = []
-    notes: list[str] = []
+    info, rows = record.meta(), []
+    if add:
+        info, rows = added_to(out_path, info, shapes)
 
-    def add(m, n, k, impl, ms, **extra):
-        rows.append(dict(M=m, N=n, K=k, impl=impl, ms=ms, **extra))
+    def measure(m, n, k, impl, fn, extra=None):
+        """One row: fn() -> ms (fn may fill `extra`), or the error that stopped it (a gap in the table)."""
+        try:
+            ms = fn()
+            rows.append(dict(M=m, N=n, K=k, impl=impl, ms=ms, **(extra or {})))
+        except Exception as e:  # noqa: BLE001 - a failed row is a result worth recording
+            rows.append(dict(M=m, N=n, K=k, impl=impl, ms=None, error=f"{type(e).__name__}: {str(e)[:300]}"))
 
     for n, k in shapes:
         t0 = time.time()
         lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
         with torch.no_grad():
             lin.weight.copy_(varied(n, k, seed=n * 7 + k, device=dev))
-        layers = {f"fp8now-{s.value}": Fp8Linear.from_linear(lin, Fp8Config(scheme=s)) for s in Scheme}
-        for s in Scheme:  # the torch backend refuses some shapes (blockwise for K > 8192): say so
-            try:
-                layers[f"fp8now-{s.value}@torch"] = Fp8Linear.from_linear(lin, Fp8Config(scheme=s, backend="torch"))
-            except RuntimeError as e:
-                notes.append(f"fp8now-{s.value}@torch {n}x{k}: {str(e)[:200]}")
-        backends = {name: layer.backend for name, layer in layers.items()}
-        peers: dict[str, torch.nn.Module] = {}
-        if with_torchao:
-            try:
-                peers = torchao_layers(lin, torchao_accum)
-            except Exception as e:  # record why; the table then lacks these rows
-                notes.append(f"torchao unavailable for {n}x{k}: {type(e).__name__}: {e}")
-        compiled = {}
-        if with_compiled:
-            for name, mod in peers.items():  # one compile per module: M is dynamic
-                compiled[name + "-compiled"] = torch.compile(mod, dynamic=True)
-        if with_fp8now_compiled:  # fp8now's own layers compiled the same way (quantizer in inductor)
-            for s in Scheme:
-                compiled[f"fp8now-{s.value}-compiled"] = torch.compile(layers[f"fp8now-{s.value}"], dynamic=True)
-        w_q, w_s = quantize_weight(lin.weight, "channel")
-        w_qt, w_st = quantize_weight(lin.weight, "tensor")
-        w_qb, w_sb = quantize_weight(lin.weight, "block")
-        blockwise = torch_mm.blockwise_unfit(k) is None   # cuBLAS blockwise takes this K
-        graph_copies = 8 if with_graphs else 0
-        lin_copies = [lin] + [torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
-                              for _ in range(graph_copies - 1)]
-        for c in lin_copies[1:]:
-            with torch.no_grad():
-                c.weight.copy_(lin.weight)
-        fp8_copies = {s: [Fp8Linear.from_linear(c, Fp8Config(scheme=s)) for c in lin_copies]
-                      for s in Scheme} if graph_copies else {}
+        blockwise = cublas_blockwise_takes(k)
+        # One copy count per shape, from the smallest weight (FP8): every graph row of this shape gets it.
+        timer = GraphTimer(copies_for(n * k), warmup_ms, rep_ms)
+        copies = {}
+        if with_graphs:   # copied before any call: a layer's first call allocates its workspace
+            copies["bf16"] = separate_copies(lin, timer.copies)
+            copies.update({s.value: [Fp8Linear.from_linear(c, Fp8Config(scheme=s)) for c in copies["bf16"]]
+                           for s in Scheme})
+        layers, peers, compiled = {}, {}, {}
+        if with_eager:
+            layers = {f"fp8now-{s.value}": Fp8Linear.from_linear(lin, Fp8Config(scheme=s)) for s in Scheme}
+            torch_layers = {}
+            for s in Scheme:   # the torch backend refuses some shapes: the row records why
+                try:
+                    torch_layers[f"fp8now-{s.value}@torch"] = Fp8Linear.from_linear(
+                        lin, Fp8Config(scheme=s, backend="torch"))
+                except RuntimeError as e:
+                    rows.append(dict(M=None, N=n, K=k, impl=f"fp8now-{s.value}@torch", ms=None,
+                                     error=str(e)[:300]))
+            layers.update(torch_layers)
+            if with_torchao:
+                try:
+                    peers = torchao_layers(lin, torchao_accum)
+                except Exception as e:  # noqa: BLE001 - the rows say why the peer is missing
+                    rows.append(dict(M=None, N=n, K=k, impl="torchao", ms=None,
+                                     error=f"{type(e).__name__}: {e}"[:300]))
+            if with_compiled:   # one compile per module: M is dynamic, the weight shape static
+                compiled = {name + "-compiled": torch.compile(mod, dynamic=True) for name, mod in peers.items()}
+            if with_fp8now_compiled:
+                compiled.update({f"fp8now-{s.value}-compiled": torch.compile(layers[f"fp8now-{s.value}"],
+                                                                             dynamic=True) for s in Scheme})
         for m in m_values:
             x = varied(m, k, seed=m + k, device=dev)
-            x_q, x_s = quantize_activation(x, "token")
-            x_qb, x_sb = quantize_activation(x, "group")
-            x_sb = x_sb.t().contiguous().t()        # column-major [M, K/128], as cuBLAS blockwise reads it
-            bare_block = blockwise and m % 4 == 0   # (fp8now pads other M to a multiple of 4)
-            if graph_copies:  # GPU time, host removed; fewer copies at M > 256, where a call is long
-                copies_m = graph_copies if m <= 256 else graph_copies // 2
-                chan = fp8_copies[Scheme.CHANNEL]
-                graphed = {"bf16-graph": lambda i: (lambda: torch.nn.functional.linear(x, lin_copies[i].weight)),
-                           **{f"fp8now-{s.value}-graph": (lambda i, c=c: (lambda: c[i](x)))
-                              for s, c in fp8_copies.items()},
-                           "scaled_mm-graph": lambda i: (lambda: torch._scaled_mm(
-                               x_q, chan[i].weight.t(), x_s, chan[i].weight_scale.reshape(1, -1),
-                               out_dtype=torch.bfloat16))}
-                if bare_block:
-                    blk = fp8_copies[Scheme.BLOCK]
-                    graphed["scaled_mm-blockwise-graph"] = lambda i: (lambda: torch._scaled_mm(
-                        x_qb, blk[i].weight.t(), x_sb, blk[i].weight_scale.t(), out_dtype=torch.bfloat16))
-                for name, make_call in graphed.items():
-                    try:
-                        add(m, n, k, name, graph_ms(make_call, copies_m, warmup_ms, rep_ms), copies=copies_m)
-                    except Exception as e:
-                        notes.append(f"{name} M={m} {n}x{k}: {type(e).__name__}: {str(e)[:200]}")
-            add(m, n, k, "bf16", bench(lambda: torch.nn.functional.linear(x, lin.weight), warmup_ms, rep_ms))
-            add(m, n, k, "scaled_mm", bench(lambda: torch._scaled_mm(
-                x_q, w_q.t(), x_s, w_s.reshape(1, -1), out_dtype=torch.bfloat16), warmup_ms, rep_ms))
-            x_qt, x_st = quantize_activation(x, "tensor")
-            add(m, n, k, "scaled_mm-tensorwise", bench(lambda: torch._scaled_mm(
-                x_qt, w_qt.t(), x_st, w_st, out_dtype=torch.bfloat16), warmup_ms, rep_ms))
-            if bare_block:
-                try:
-                    add(m, n, k, "scaled_mm-blockwise", bench(lambda: torch._scaled_mm(
-                        x_qb, w_qb.t(), x_sb, w_sb.t(), out_dtype=torch.bfloat16), warmup_ms, rep_ms))
-                except Exception as e:
-                    notes.append(f"scaled_mm-blockwise M={m} {n}x{k}: {type(e).__name__}: {str(e)[:200]}")
-            for name, layer in layers.items():
-                try:
-                    extra = dict(kernels=kernels_of(lambda: layer(x))) if with_kernels and m >= 1024 else {}
-                    add(m, n, k, name, bench(lambda: layer(x), warmup_ms, rep_ms), backend=backends[name], **extra)
-                except Exception as e:
-                    notes.append(f"{name} M={m} {n}x{k}: {type(e).__name__}: {str(e)[:200]}")
-            for name, mod in list(peers.items()) + list(compiled.items()):
-                try:
+            if with_graphs:
+                for impl, (key, call) in graph_calls(x, blockwise and m % 4 == 0).items():
+                    measure(m, n, k, impl, lambda: timer.ms(copies[key], call), {"copies": timer.copies})
+            if not with_eager:
+                continue
+            # (fp8now pads M to a multiple of 4 for cuBLAS blockwise; the bare call needs it as given)
+            for impl, call in eager_calls(x, lin, layers, blockwise and m % 4 == 0).items():
+                measure(m, n, k, impl, lambda: l2_flushed_ms(call, warmup_ms, rep_ms))
+            for impl, mod in list(layers.items()) + list(peers.items()) + list(compiled.items()):
+                extra = {"backend": mod.backend} if impl in layers else {}
+
+                def timed(mod=mod, extra=extra):
                     with torch.no_grad():
                         mod(x)
-                        extra = dict(kernels=kernels_of(lambda: mod(x))) if with_kernels and m >= 1024 else {}
-                        add(m, n, k, name, bench(lambda: mod(x), warmup_ms, rep_ms), **extra)
-                except Exception as e:
-                    notes.append(f"{name} M={m} {n}x{k}: {type(e).__name__}: {str(e)[:200]}")
-        del layers, peers, compiled, lin_copies, fp8_copies
+                        if with_kernels and m >= 1024:
+                            extra["kernels"] = kernels_of(lambda: mod(x))
+                        return l2_flushed_ms(lambda: mod(x), warmup_ms, rep_ms)
+                measure(m, n, k, impl, timed, extra)
+        del layers, peers, compiled, copies
         torch.cuda.empty_cache()
-        with open(out_path, "w") as f:  # after every shape: a run cut short keeps what it measured
-            json.dump(rows, f, indent=1)
+        record.write(out_path, info, rows)   # after every shape: a run cut short keeps what it measured
         print(f"  {n}x{k} done in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
-    notes.append("transformers FineGrainedFP8 (5.17) needs the `kernels` hub package and fails offline; "
-                 "not timed")
-    with open(out_path, "w") as f:
-        json.dump(rows, f, indent=1)
-    with open(out_path.replace(".json", "_notes.txt"), "w") as f:
-        f.write("\n".join(notes) + "\n")
     return rows
 
 
 def summary(rows: list[dict]) -> str:
-    """Speed-up over bf16 per (shape, M) for the main impls."""
-    impls = ["scaled_mm", "fp8now-tensor", "fp8now-channel", "fp8now-block", "torchao-row",
-             "torchao-row-compiled", "torchao-block-compiled", "fp8now-channel-graph"]
-    seen = {r["impl"] for r in rows}
-    impls += [i + "-f32acc" + c for i in ("torchao-row", "torchao-block") for c in ("", "-compiled")
-              if i + "-f32acc" + c in seen]
-    impls += [i for i in ("fp8now-channel-compiled", "fp8now-block-compiled") if i in seen]
-    base = {(r["M"], r["N"], r["K"]): r["ms"] for r in rows if r["impl"] == "bf16"}
-    graph_base = {(r["M"], r["N"], r["K"]): r["ms"] for r in rows if r["impl"] == "bf16-graph"}
-    table = {}
-    for r in rows:  # graph rows compare with the bf16 graph row; all others with eager bf16
-        ref = graph_base if r["impl"].endswith("-graph") else base
-        key = (r["M"], r["N"], r["K"])
-        if key in ref:
-            table[(*key, r["impl"])] = ref[key] / r["ms"]
+    """Speed-up over bf16 per (shape, M): graph rows against bf16-graph, host-launched rows against bf16."""
+    seen = {r["impl"] for r in rows if r["ms"] is not None}
+    impls = [i for i in ("scaled_mm", "fp8now-tensor", "fp8now-channel", "fp8now-block", "torchao-row",
+                         "torchao-row-compiled", "torchao-row-f32acc-compiled", "torchao-block-compiled",
+                         "fp8now-channel-compiled", "fp8now-tensor-graph", "fp8now-channel-graph",
+                         "fp8now-block-graph", "scaled_mm-graph") if i in seen]
+    ms = {(r["M"], r["N"], r["K"], r["impl"]): r["ms"] for r in rows if r["ms"] is not None}
+    keys = sorted({(m, n, k) for m, n, k, _ in ms}, key=lambda t: (t[1], t[2], t[0]))
     lines = [f"{'M':>6} {'N':>6} {'K':>6} {'bf16 ms':>8} " + " ".join(f"{i[:14]:>14}" for i in impls)]
-    for (m, n, k), b in sorted(base.items(), key=lambda t: (t[0][1], t[0][2], t[0][0])):
-        cells = [f"{table[(m, n, k, i)]:14.2f}" if (m, n, k, i) in table else f"{'-':>14}" for i in impls]
-        lines.append(f"{m:>6} {n:>6} {k:>6} {b:8.4f} " + " ".join(cells))
+    for m, n, k in keys:
+        cells = []
+        for i in impls:
+            base = ms.get((m, n, k, "bf16-graph" if i.endswith("-graph") else "bf16"))
+            t = ms.get((m, n, k, i))
+            cells.append(f"{base / t:14.2f}" if base and t else f"{'-':>14}")
+        bf = ms.get((m, n, k, "bf16"), ms.get((m, n, k, "bf16-graph"), float("nan")))
+        lines.append(f"{m:>6} {n:>6} {k:>6} {bf:8.4f} " + " ".join(cells))
+    failed = [r for r in rows if "error" in r]
+    lines += [f"failed: {r['impl']} M={r['M']} {r['N']}x{r['K']}: {r['error'][:120]}" for r in failed]
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="linear_h200.json")
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="default results/linear_h200.json (results/decode_h200.json "
+                                                "with --decode)")
+    ap.add_argument("--decode", action="store_true", help="M = 1, 2, 4, 8, 16, GPU-time (graph) rows only")
     ap.add_argument("--quick", action="store_true", help="two shapes, four M values")
     ap.add_argument("--no-torchao", action="store_true")
     ap.add_argument("--fp8now-compiled", action="store_true",
@@ -250,20 +235,27 @@ if __name__ == "__main__":
     ap.add_argument("--torchao-accum", default="fast", choices=sorted(TORCHAO_ACCUM),
                     help="torchao's GEMM accumulation: its default fast, float32, or both sets of peers")
     ap.add_argument("--shapes", default="", help="subset, e.g. 4096x4096,28672x4096 (N x K)")
-    ap.add_argument("--rep-ms", type=int, default=25, help="do_bench time per measurement")
     ap.add_argument("--m-values", default="", help="subset of M, e.g. 1024,4096,16384")
+    ap.add_argument("--rep-ms", type=int, default=25, help="do_bench time per measurement")
+    ap.add_argument("--add", action="store_true", help="keep the other shapes' rows of --out (same commit "
+                    "and GPU): a grid split over several calls")
     ap.add_argument("--kernels", action="store_true",
-                    help="record each fp8now and peer row's CUDA kernels (torch.profiler, M >= 1024)")
+                    help="record each eager row's CUDA kernels (torch.profiler, M >= 1024)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_linear.py needs a CUDA GPU")
-    kw = {}
+    out = args.out or os.path.join(RESULTS, "decode_h200.json" if args.decode else "linear_h200.json")
+    kw: dict = dict(m_values=DECODE_M, with_eager=False) if args.decode else {}
     if args.quick:
-        kw = dict(m_values=[1, 16, 1024, 16384], shapes=[(4096, 4096), (28672, 4096)])
-    if args.shapes:  # one shape with torchao compiled takes ~3 min on the H200: split long runs
+        kw.update(m_values=[1, 16, 1024, 16384], shapes=[(4096, 4096), (28672, 4096)])
+    if args.shapes:   # one shape with torchao compiled takes ~3 min on the H200: split long runs
         kw["shapes"] = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")]
     if args.m_values:
         kw["m_values"] = [int(v) for v in args.m_values.split(",")]
-    result = run(args.out, with_torchao=not args.no_torchao, rep_ms=args.rep_ms, with_kernels=args.kernels,
-                 torchao_accum=args.torchao_accum, with_fp8now_compiled=args.fp8now_compiled, **kw)
-    print(summary(result))
+    rows = run(out, with_torchao=not args.no_torchao, rep_ms=args.rep_ms, with_kernels=args.kernels,
+               torchao_accum=args.torchao_accum, with_fp8now_compiled=args.fp8now_compiled, add=args.add, **kw)
+    print(summary(rows))
+
+
+if __name__ == "__main__":
+    main()

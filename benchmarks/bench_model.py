@@ -17,21 +17,21 @@ runs the same ways, as the peer.
 Every FP8 model is checked before it is timed: its graph replay gives the bytes of its eager call, and
 its output against bf16 on fresh random inputs is reported (rel = |y - y_bf16| / |y_bf16|).
 
-CUDA: `PYTHONPATH=src python benchmarks/bench_model.py --out DIR [--layers 4] [--torchao] [--compile]`
-CPU smoke run (tiny dims, eager only): `... --device cpu --preset tiny`.
-Writes DIR/model_bench.json (rows: preset, layers, batch, seq, tokens, impl, mode, ms, rel; graph and
-compiled rows also rel_to_eager; compiled rows enqueue_ms (the host time per call) and cudagraph_skips
-(how often inductor ran a graph without CUDA graphs while compiling the case; the reasons go to
-stderr); with `--profile` the GPU µs per kernel family of graph and compiled rows; `--host-profile`
-adds rows of mode "host-profile" (each decode case) with call counts and the costliest Python
-functions of an eager forward) and prints a table of speed-ups over bf16 (same mode, same run) last.
+CUDA: `PYTHONPATH=src python benchmarks/bench_model.py [--layers 4] [--torchao] [--compile]`
+(-> results/model_h200.json). CPU smoke run (tiny dims, eager only): `... --device cpu --preset tiny
+--out FILE`. Rows: preset, layers, batch, seq, tokens, impl, mode, ms, rel; graph and compiled rows
+also rel_to_eager; compiled rows enqueue_ms (the host time per call) and cudagraph_skips (how often
+inductor ran a graph without CUDA graphs while compiling the case; the reasons go to stderr); with
+`--profile` the GPU µs per kernel family of graph and compiled rows; `--host-profile` adds rows of
+mode "host-profile" (each decode case) with call counts and the costliest Python functions of an
+eager forward; a case that failed is a row with `error`. A table of speed-ups over bf16 (same mode,
+same run) prints last.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import os
 import sys
@@ -39,8 +39,11 @@ import time
 
 import torch
 
-from bench_decode import rel
-from bench_linear import TORCHAO_ACCUM, kernels_of
+import record
+from bench_linear import TORCHAO_ACCUM
+from timing import host_ms, kernels_of, l2_flushed_ms
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 PRESETS = {
     # Llama-3-8B: hidden 4096, 32 heads of 128 (8 key/value heads), MLP 14336
@@ -82,17 +85,14 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
 
 
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| in float64 (norms over all elements)."""
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
+
+
 def bench_ms(fn, device: str, rep_ms: int) -> float:
-    if device == "cpu":
-        fn()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return 1e3 * sorted(times)[1]
-    import triton.testing
-    return float(triton.testing.do_bench(fn, warmup=5, rep=rep_ms, return_mode="median"))
+    """L2-flushed median on the GPU; the CPU smoke run's wall-clock median."""
+    return host_ms(fn) if device == "cpu" else l2_flushed_ms(fn, 5, rep_ms)
 
 
 def enqueue_ms(fn, calls: int = 20) -> float:
@@ -176,7 +176,8 @@ def run(args) -> list[dict]:
     dev = args.device
     base = build(args.preset, args.layers, dev)
     models: dict[str, torch.nn.Module] = {}
-    notes: list[str] = []
+    info = record.meta(args.device)
+    rows: list[dict] = []
     for scheme in args.schemes.split(","):
         m = copy.deepcopy(base)
         fp8now.quantize_(m, fp8now.Fp8Config(scheme=scheme), measure_error=False)
@@ -186,11 +187,11 @@ def run(args) -> list[dict]:
             for suffix, fast in TORCHAO_ACCUM[args.torchao_accum]:
                 models["torchao-row" + suffix] = torchao_model(base, fast)
         except Exception as e:  # say why the peer is missing rather than dropping it silently
-            notes.append(f"torchao: {type(e).__name__}: {str(e)[:300]}")
+            rows.append(dict(preset=args.preset, layers=args.layers, impl="torchao",
+                             error=f"{type(e).__name__}: {str(e)[:300]}"))
     models = {"bf16": base, **models}
     sizes = {name: weight_bytes(m) for name, m in models.items()}
     cases = [(b, 1) for b in args.decode] + list(args.prefill)
-    rows: list[dict] = []
     eager_out: dict[tuple, torch.Tensor] = {}  # for the compiled rows' check
     hidden = PRESETS[args.preset]["hidden_size"]
     def row_of(batch: int, seq: int, name: str, **fields) -> dict:
@@ -220,16 +221,16 @@ def run(args) -> list[dict]:
                         rows[-1]["kernels"] = kernel_times(graph.replay)
                     del graph, y_graph
             except Exception as e:
-                notes.append(f"{name} B={batch} T={seq}: {type(e).__name__}: {str(e)[:300]}")
+                rows.append(dict(row, mode="eager", error=f"{type(e).__name__}: {str(e)[:300]}"))
         del outs, x
         if dev != "cpu":
             torch.cuda.empty_cache()
         print(f"  B={batch} T={seq} done", file=sys.stderr, flush=True)
-        write(args.out, rows, notes)
+        record.write(args.out, info, rows)
     if args.host_profile:
         for case in [c for c in cases if c[1] == 1] or cases[:1]:   # the decode cases
             rows.extend(row_of(*case, name, **fields) for name, fields in host_profile(models, case, hidden, args))
-        write(args.out, rows, notes)
+        record.write(args.out, info, rows)
     if args.compile and dev != "cpu":
         from torch._dynamo.utils import counters
         torch._logging.set_logs(cudagraphs=True)      # inductor says why it skips CUDA graphs (stderr)
@@ -254,15 +255,16 @@ def run(args) -> list[dict]:
                     if args.profile and (batch, seq) in (cases[0], cases[-1]):
                         rows[-1]["kernels"] = kernel_times(call)
                 except Exception as e:
-                    notes.append(f"{name} compiled B={batch} T={seq}: {type(e).__name__}: {str(e)[:300]}")
-            write(args.out, rows, notes)
+                    rows.append(row_of(batch, seq, name, mode="compiled",
+                                       error=f"{type(e).__name__}: {str(e)[:300]}"))
+            record.write(args.out, info, rows)
     return rows
 
 
 # Functions whose call counts say which path an eager FP8 call took (decode_graphs: replayed, captured,
-# or plain; the backend's linear runs once per plain call and once per capture).
+# or plain).
 COUNTED = (("fp8now/decode_graphs.py", "_replay"), ("fp8now/decode_graphs.py", "_capture"),
-           ("fp8now/linear.py", "forward"), ("fp8now/kernels/triton_fp8.py", "linear"))
+           ("fp8now/linear.py", "forward"))
 
 
 def host_profile(models: dict, case: tuple[int, int], hidden: int, args,
@@ -298,19 +300,10 @@ def host_profile(models: dict, case: tuple[int, int], hidden: int, args,
     return out
 
 
-def write(out_dir: str, rows: list[dict], notes: list[str]) -> None:
-    """The JSON and the notes, written through a temporary file (a cut-short run keeps what it has)."""
-    os.makedirs(out_dir, exist_ok=True)
-    for fname, text in (("model_bench.json", json.dumps(rows, indent=1)),
-                        ("model_bench_notes.txt", "\n".join(notes) + "\n")):
-        path = os.path.join(out_dir, fname)
-        with open(path + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(path + ".tmp", path)
-
-
 def summary(rows: list[dict]) -> str:
-    """ms of bf16 and speed-up of every other impl over bf16, per (mode, batch, seq)."""
+    """ms of bf16 and speed-up of every other impl over bf16, per (mode, batch, seq); then the failures."""
+    failed = [r for r in rows if "error" in r]
+    rows = [r for r in rows if "error" not in r]
     impls = sorted({r["impl"] for r in rows} - {"bf16"})
     base = {(r["mode"], r["batch"], r["seq"]): r["ms"] for r in rows
             if r["impl"] == "bf16" and r["mode"] != "host-profile"}
@@ -335,12 +328,14 @@ def summary(rows: list[dict]) -> str:
         if "kernels" in r:
             lines.append(f"  {r['impl']:>15} B={r['batch']} T={r['seq']} graph {r['ms'] * 1e3:9.1f} us: "
                          + ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["kernels"]["kinds"].items())))
+    lines += [f"failed: {r['impl']} {r.get('mode', '')} B={r.get('batch')} T={r.get('seq')}: {r['error'][:150]}"
+              for r in failed]
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "model_h200.json"))
     ap.add_argument("--preset", default="llama8b", choices=sorted(PRESETS))
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--schemes", default="tensor,channel,block")

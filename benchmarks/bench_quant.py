@@ -1,28 +1,33 @@
 """Benchmark the Triton FP8 quantizers against eager torch (`fp8now.numerics`) on a CUDA GPU.
 
-    python benchmarks/bench_quant.py [--out benchmarks/results/quant_h200.json] [--quick]
+    PYTHONPATH=src python benchmarks/bench_quant.py [--out benchmarks/results/quant_h200.json] [--quick]
 
 For every shape the Triton result is first checked byte for byte against the reference computed on
 the CPU (the spec's arithmetic: true float32 division). Whether eager torch on the GPU gives the same
 bytes is recorded too (`torch_cuda_equal`): torch's CUDA `tensor / python_float` multiplies by a
 rounded reciprocal instead of dividing, so its scales can differ from the CPU's in the last bit.
 
-Timing: `triton.testing.do_bench` median (L2 flushed between calls). For activation shapes up to 16M
-elements also the median per call of 20 calls captured in one CUDA graph (no launch overhead, L2 warm);
-the replayed output is compared with the reference too, so this doubles as a graph-capture check.
+Timing (timing.py): L2-flushed medians of host-launched calls. For activation shapes up to 16M
+elements also the GPU time per call of 20 calls on one input captured in one CUDA graph (no launch
+cost; the input stays in L2, as an activation just written by its producer does); the replayed output
+is compared with the reference too, so this doubles as a graph-capture check.
 Effective bandwidth = (bytes read + bytes written) / time = (numel * in_bytes + numel + scale bytes) / t.
+The layers' quantizers only: per token and per 1x128 group for activations (the per-tensor activation
+scale is the torch backend's), per tensor / channel / 128x128 block for weights.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 import time
 
 import torch
+
+import record
+from timing import event_ms, l2_flushed_ms
 
 try:
     import fp8now  # noqa: F401
@@ -33,11 +38,11 @@ from fp8now import numerics  # noqa: E402
 
 ACT_SHAPES = [(1, 4096), (16, 4096), (1024, 4096), (4096, 4096), (16384, 8192), (16384, 28672)]
 WEIGHT_SHAPES = [(4096, 4096), (28672, 4096), (57344, 8192)]
-ACT_KINDS = ("token", "group", "tensor")
+ACT_KINDS = ("token", "group")
 SCHEMES = ("tensor", "channel", "block")
 GRAPH_MAX_NUMEL = 4096 * 4096
 GRAPH_REPS = 20
-DEFAULT_OUT = os.path.join("benchmarks", "results", "quant_h200.json")
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "quant_h200.json")
 
 
 def _make(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -61,10 +66,8 @@ def _same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Ten
 
 
 def _bench(fn) -> float:
-    """Median microseconds of `fn` (do_bench: L2 flushed, one launch sequence per measurement)."""
-    import triton.testing
-
-    return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    """Median microseconds of host-launched calls of `fn`, L2 flushed before each."""
+    return 1e3 * l2_flushed_ms(fn, warmup_ms=25, rep_ms=100)
 
 
 def _bench_graph(fn, expect) -> tuple[float | str, bool | None]:
@@ -83,16 +86,9 @@ def _bench_graph(fn, expect) -> tuple[float | str, bool | None]:
         graph.replay()
         torch.cuda.synchronize()
         ok = _same(outs[-1], expect)
-        times = []
-        for _ in range(11):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(1e3 * start.elapsed_time(end) / GRAPH_REPS)
+        us = 1e3 * event_ms(graph.replay) / GRAPH_REPS
         del graph, outs
-        return sorted(times)[len(times) // 2], ok
+        return us, ok
     except Exception as e:  # noqa: BLE001 - a capture failure is a result worth recording
         return f"graph capture failed: {type(e).__name__}: {e}"[:300], None
 
@@ -119,31 +115,22 @@ def _print_row(r: dict) -> None:
           f"{'yes' if r['exact'] else 'NO':>5} {'yes' if r['torch_cuda_equal'] else 'no':>9}", flush=True)
 
 
-def _write(rows: list[dict], out_path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    with open(out_path, "w") as f:
-        json.dump(rows, f, indent=1)
-
-
 def run(out_path: str = DEFAULT_OUT, quick: bool = False) -> list[dict]:
     """Verify, time and record every quantizer; returns the JSON rows (also written to `out_path`)."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench_quant needs a CUDA GPU (the Triton quantizers do not run on the CPU "
                            "outside the interpreter)")
-    import triton
-
-    from fp8now.kernels import triton_quant as tq
+    from fp8now.kernels import triton_quant as tq   # the kernels themselves: no public API times them
 
     reason = tq.available(torch.device("cuda"))
     if reason is not None:
         raise RuntimeError(f"Triton quantizers unavailable here: {reason}")
-    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
-    act_fns = {"token": tq.quantize_act_token, "group": tq.quantize_act_group,
-               "tensor": tq.quantize_act_tensor}
+    info = record.meta()
+    act_fns = {"token": tq.quantize_act_token, "group": tq.quantize_act_group}
     act_shapes = ACT_SHAPES[:3] if quick else ACT_SHAPES
     weight_shapes = WEIGHT_SHAPES[:1] if quick else WEIGHT_SHAPES
     rows: list[dict] = []
-    print(f"{env['device']}  torch {env['torch']}  triton {env['triton']}")
+    print(f"{info['gpu']}  torch {info['torch']}  triton {info['triton']}  commit {info['commit']}")
     print(f"{'what':<7} {'op':<8} {'shape':>12} {'triton_us':>10} {'graph_us':>9} {'torch_us':>10} "
           f"{'speedup':>7} {'tr_GB/s':>9} {'th_GB/s':>9} {'exact':>5} {'torch_gpu':>9}")
 
@@ -158,16 +145,16 @@ def run(out_path: str = DEFAULT_OUT, quick: bool = False) -> list[dict]:
             exact = _same(out, ref)
             torch_cuda_equal = _same(numerics.quantize_activation(x, kind), ref)
             verify_s = time.perf_counter() - t0
-            n_scales = {"token": M, "group": M * math.ceil(K / 128), "tensor": 1}[kind]
+            n_scales = {"token": M, "group": M * math.ceil(K / 128)}[kind]
             nbytes = M * K * x.element_size() + M * K + 4 * n_scales
             graph_us, graph_ok = _bench_graph(lambda: fn(x), ref) if M * K <= GRAPH_MAX_NUMEL else (None, None)
             r = _row(what="act", op=kind, shape=[M, K], dtype="bfloat16", bytes=nbytes,
                      triton_us=_bench(lambda: fn(x)), triton_graph_us=graph_us, graph_exact=graph_ok,
                      torch_us=_bench(lambda: numerics.quantize_activation(x, kind)),
-                     exact=exact, torch_cuda_equal=torch_cuda_equal, verify_s=round(verify_s, 1), **env)
+                     exact=exact, torch_cuda_equal=torch_cuda_equal, verify_s=round(verify_s, 1))
             rows.append(r)
             _print_row(r)
-            _write(rows, out_path)
+            record.write(out_path, info, rows)
             del out, ref
         del x, x_cpu
         torch.cuda.empty_cache()
@@ -188,18 +175,18 @@ def run(out_path: str = DEFAULT_OUT, quick: bool = False) -> list[dict]:
                      triton_us=_bench(lambda: tq.quantize_weight(w, scheme)),
                      triton_graph_us=None,
                      torch_us=_bench(lambda: numerics.quantize_weight(w, scheme)),
-                     exact=exact, torch_cuda_equal=torch_cuda_equal, verify_s=round(verify_s, 1), **env)
+                     exact=exact, torch_cuda_equal=torch_cuda_equal, verify_s=round(verify_s, 1))
             rows.append(r)
             _print_row(r)
-            _write(rows, out_path)
+            record.write(out_path, info, rows)
             del out, ref
         finite = bool(tq.weight_all_finite(w))
         t_fin = _bench(lambda: tq.weight_all_finite(w))
         r = _row(what="weight", op="finite", shape=[N, K], dtype="bfloat16", bytes=N * K * w.element_size(),
-                 triton_us=t_fin, triton_graph_us=None, exact=finite, torch_cuda_equal=finite, **env)
+                 triton_us=t_fin, triton_graph_us=None, exact=finite, torch_cuda_equal=finite)
         rows.append(r)
         _print_row(r)
-        _write(rows, out_path)
+        record.write(out_path, info, rows)
         del w, w_cpu
         torch.cuda.empty_cache()
 

@@ -1,6 +1,6 @@
 """benchmarks/bench_model.py, run for real as a subprocess on the CPU (tiny Llama, eager rows only):
-it builds the model, quantizes a copy per scheme, and writes one row per (case, model) with the
-output error against bf16 and the model's bytes."""
+it builds the model, quantizes a copy per scheme, and writes a results file (meta + one row per
+(case, model) with the output error against bf16 and the model's bytes)."""
 
 import json
 import os
@@ -16,10 +16,15 @@ def test_bench_model_cpu_smoke(tmp_path):
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--device", "cpu", "--preset", "tiny",
          "--layers", "1", "--decode", "1,3", "--prefill", "2x16", "--schemes", "channel,block",
-         "--host-profile", "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+         "--host-profile", "--out", str(tmp_path / "model.json")], env=env, capture_output=True, text=True,
+        timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    rows = json.loads((tmp_path / "model_bench.json").read_text())
-    assert (tmp_path / "model_bench_notes.txt").read_text().strip() == ""  # nothing failed
+    result = json.loads((tmp_path / "model.json").read_text())
+    assert set(result) == {"meta", "rows"}
+    meta, rows = result["meta"], result["rows"]
+    assert set(meta) == {"date", "gpu", "torch", "triton", "commit", "command"}
+    assert meta["gpu"] == "cpu" and "bench_model.py" in meta["command"] and "--preset tiny" in meta["command"]
+    assert not [r for r in rows if "error" in r]  # nothing failed
     cases = {(1, 1), (3, 1), (2, 16)}
     impls = {"bf16", "fp8now-channel", "fp8now-block"}
     profiled = {(r["impl"], r["batch"], r["seq"]): r for r in rows if r["mode"] == "host-profile"}
