@@ -13,7 +13,6 @@ this module is imported); see `available`.
 Public functions:
     quantize_act_token(x)            -> q [M, K], s [M, 1]          rule "row"
     quantize_act_group(x, col_major) -> q [M, K], s [M, ceil(K/128)] rule "group" (1x128)
-    quantize_act_tensor(x)           -> q [M, K], s []              rule "tensor"
     quantize_weight(w, scheme)       -> as `numerics.quantize_weight` ([N, K] or [E, N, K])
     weight_all_finite(w)             -> bool tensor [] (no sync; the caller syncs once at load)
     available(device)                -> None, or why these kernels cannot run on `device`
@@ -24,28 +23,8 @@ import torch
 from ..config import Scheme
 from ..numerics import BLOCK_AMAX_FLOOR, E4M3FN, GROUP_AMAX_FLOOR, Fp8Format
 
-from .triton_support import device_reason, sm90
-
-try:
-    import triton
-    import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents
-
-    _IMPORT_ERROR: str | None = None
-except ImportError as _e:  # the module stays importable so that `available` can say why
-    _IMPORT_ERROR = str(_e)
-
-    class _NoTriton:
-        """Just enough of `triton` / `triton.language` for the kernel definitions to parse."""
-
-        constexpr = object
-
-        @staticmethod
-        def jit(fn=None, **_kwargs):
-            return fn if fn is not None else (lambda f: f)
-
-    triton = tl = _NoTriton()  # type: ignore[assignment]
-    gdc_launch_dependents = None
+from .triton_jit import abs_bits, as_f32, cdiv, to_fp8
+from .triton_support import TRITON_ERROR, device_reason, gdc_launch_dependents, interpreted, sm90, tl, triton
 
 GROUP = 128         # activation group width and weight block edge (SPEC §3)
 # Per token: a row of up to _ROW_MAX_SINGLE elements is held in registers whole; longer rows are
@@ -72,8 +51,8 @@ def _warps(elements: int) -> int:
 
 
 def _require(x: torch.Tensor, ndim: tuple[int, ...], what: str) -> None:
-    if _IMPORT_ERROR is not None:
-        raise RuntimeError(f"{what}: triton is not importable ({_IMPORT_ERROR})")
+    if TRITON_ERROR is not None:
+        raise RuntimeError(f"{what}: triton is not importable ({TRITON_ERROR})")
     if x.dim() not in ndim:
         raise ValueError(f"{what} expects a tensor with {' or '.join(map(str, ndim))} dims, "
                          f"got shape {tuple(x.shape)}")
@@ -86,26 +65,6 @@ def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
     _require(x, (1, 2, 3, 4, 5, 6, 7, 8), what)
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 or x2.shape[-1] <= 1 else x2.contiguous()
-
-
-@triton.jit
-def _abs_bits(x):
-    # |x| as int32 bit patterns. Non-negative floats order like their bits, and NaN sits above inf,
-    # so an integer max of these is the float amax with NaN propagated, like torch.amax
-    # (a float tl.max would drop NaN on the GPU).
-    return x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-
-
-@triton.jit
-def _as_f32(bits):
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _to_fp8(y, q_ptr, FMAX: tl.constexpr):
-    # clamp to ±FMAX (NaN stays NaN), then the round-to-nearest-even cast
-    y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
-    return y.to(q_ptr.dtype.element_ty)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,25 +87,25 @@ def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm,
     if SINGLE:  # the whole row fits in one tile: read it once
         mask = row_ok[:, None] & (cols[None, :] < K)
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        amax = _as_f32(tl.max(_abs_bits(x), axis=1))
+        amax = as_f32(tl.max(abs_bits(x), axis=1))
         s = tl.maximum(tl.math.div_rn(amax, FMAX), FLOOR, propagate_nan=tl.PropagateNan.ALL)
         y = tl.math.div_rn(x, s[:, None])
-        tl.store(q_rows + cols[None, :], _to_fp8(y, q_ptr, FMAX), mask=mask)
+        tl.store(q_rows + cols[None, :], to_fp8(y, q_ptr, FMAX), mask=mask)
     else:  # long rows: amax pass, then a quantize pass that reads the row again (from L2)
         acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.int32)
         for k0 in range(0, K, BLOCK_K):
             mask = row_ok[:, None] & (cols[None, :] + k0 < K)
             x = tl.load(x_rows + k0 + cols[None, :], mask=mask, other=0.0,
                         eviction_policy="evict_last")
-            acc = tl.maximum(acc, _abs_bits(x))
-        amax = _as_f32(tl.max(acc, axis=1))
+            acc = tl.maximum(acc, abs_bits(x))
+        amax = as_f32(tl.max(acc, axis=1))
         s = tl.maximum(tl.math.div_rn(amax, FMAX), FLOOR, propagate_nan=tl.PropagateNan.ALL)
         for k0 in range(0, K, BLOCK_K):
             mask = row_ok[:, None] & (cols[None, :] + k0 < K)
             x = tl.load(x_rows + k0 + cols[None, :], mask=mask, other=0.0,
                         eviction_policy="evict_first").to(tl.float32)
             y = tl.math.div_rn(x, s[:, None])
-            tl.store(q_rows + k0 + cols[None, :], _to_fp8(y, q_ptr, FMAX), mask=mask)
+            tl.store(q_rows + k0 + cols[None, :], to_fp8(y, q_ptr, FMAX), mask=mask)
     tl.store(s_ptr + rows64, s, mask=row_ok)
 
 
@@ -167,7 +126,7 @@ def _launch_row(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8Form
     if M == 0:
         return
     single, block_k, block_m, warps = _row_plan(M, K)
-    _row_quant_kernel[(triton.cdiv(M, block_m),)](
+    _row_quant_kernel[(cdiv(M, block_m),)](
         x2, q, s, M, K, x2.stride(0), q.stride(0),
         FMAX=fmt.fmax, FLOOR=fmt.min_scale, BLOCK_M=block_m, BLOCK_K=block_k, SINGLE=single,
         EARLY=early_launch and sm90(x2.device) and not torch.compiler.is_compiling(), num_warps=warps)
@@ -209,11 +168,11 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_
     mask = row_ok[:, None, None] & (cols < K)[None, :, :]                      # [BM, G, 128]
     x = tl.load(x_ptr + rows64[:, None, None] * stride_xm + cols[None, :, :],
                 mask=mask, other=0.0).to(tl.float32)
-    amax = _as_f32(tl.max(_abs_bits(x), axis=2))                               # [BM, G]
+    amax = as_f32(tl.max(abs_bits(x), axis=2))                               # [BM, G]
     s = tl.math.div_rn(tl.maximum(amax, FLOOR, propagate_nan=tl.PropagateNan.ALL), FMAX)
     y = tl.math.div_rn(x, s[:, :, None])
     tl.store(q_ptr + rows64[:, None, None] * stride_qm + cols[None, :, :],
-             _to_fp8(y, q_ptr, FMAX), mask=mask)
+             to_fp8(y, q_ptr, FMAX), mask=mask)
     n_groups = (K + GROUP_K - 1) // GROUP_K
     tl.store(s_ptr + rows64[:, None] * stride_sm + groups[None, :] * stride_sg, s,
              mask=row_ok[:, None] & (groups < n_groups)[None, :])
@@ -229,7 +188,7 @@ def quantize_act_group(x: torch.Tensor, col_major: bool = False, fmt: Fp8Format 
     """
     x2 = _rows(x, "quantize_act_group")
     M, K = x2.shape
-    n_groups = triton.cdiv(K, GROUP)
+    n_groups = cdiv(K, GROUP)
     q = torch.empty((M, K), dtype=fmt.dtype, device=x2.device)
     if col_major:
         s = torch.empty((n_groups, M), dtype=torch.float32, device=x2.device).t()
@@ -238,7 +197,7 @@ def quantize_act_group(x: torch.Tensor, col_major: bool = False, fmt: Fp8Format 
     if M == 0 or K == 0:
         return q, s
     block_m, groups, warps = _group_plan(M, n_groups, col_major)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(n_groups, groups))
+    grid = (cdiv(M, block_m), cdiv(n_groups, groups))
     _group_quant_kernel[grid](
         x2, q, s, M, K, x2.stride(0), q.stride(0), s.stride(0), s.stride(1),
         FMAX=fmt.fmax, FLOOR=GROUP_AMAX_FLOOR, BLOCK_M=block_m, GROUPS=groups, GROUP_K=GROUP,
@@ -275,7 +234,7 @@ def _amax_kernel(x_ptr, amax_ptr, M, K, stride_xm,
     for i in range(K_ITERS):
         c = cols + i * BLOCK_K
         x = tl.load(x_rows + c[None, :], mask=row_ok[:, None] & (c < K)[None, :], other=0.0)
-        acc = tl.maximum(acc, _abs_bits(x))
+        acc = tl.maximum(acc, abs_bits(x))
     tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
 
 
@@ -287,8 +246,8 @@ def _launch_amax(x2: torch.Tensor, amax_bits: torch.Tensor) -> None:
     # ~64K elements per program: one atomic per 128 KiB of bf16
     bk = min(_pow2(K), 1024)
     bm = min(_pow2(M), max(1, 8192 // bk))
-    k_iters = max(1, min(triton.cdiv(K, bk), 65536 // (bm * bk)))
-    _amax_kernel[(triton.cdiv(M, bm), triton.cdiv(K, bk * k_iters))](
+    k_iters = max(1, min(cdiv(K, bk), 65536 // (bm * bk)))
+    _amax_kernel[(cdiv(M, bm), cdiv(K, bk * k_iters))](
         x2, amax_bits, M, K, x2.stride(0),
         BLOCK_M=bm, BLOCK_K=bk, K_ITERS=k_iters, num_warps=_warps(bm * bk))
 
@@ -299,7 +258,7 @@ def _tensor_quant_kernel(x_ptr, q_ptr, amax_ptr, s_ptr, M, K, stride_xm, stride_
                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    amax = _as_f32(tl.load(amax_ptr))
+    amax = as_f32(tl.load(amax_ptr))
     s = tl.where(amax == 0.0, FLOOR, tl.math.div_rn(amax, FMAX))
     inv = tl.math.div_rn(1.0, s)
     tl.store(s_ptr, s, mask=(pid_m == 0) & (pid_k == 0))
@@ -309,7 +268,7 @@ def _tensor_quant_kernel(x_ptr, q_ptr, amax_ptr, s_ptr, M, K, stride_xm, stride_
     mask = (rows < M)[:, None] & (cols < K)[None, :]
     x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
     y = x.to(tl.float32) * inv
-    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], _to_fp8(y, q_ptr, FMAX), mask=mask)
+    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], to_fp8(y, q_ptr, FMAX), mask=mask)
 
 
 def _launch_tensor(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, amax_bits: torch.Tensor,
@@ -322,20 +281,9 @@ def _launch_tensor(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, amax_bits
     _launch_amax(x2, amax_bits)
     bk = min(_pow2(K), 2048)  # 8K-element tiles
     bm = min(_pow2(M), max(1, 8192 // bk))
-    _tensor_quant_kernel[(triton.cdiv(M, bm), triton.cdiv(K, bk))](
+    _tensor_quant_kernel[(cdiv(M, bm), cdiv(K, bk))](
         x2, q, amax_bits, s, M, K, x2.stride(0), q.stride(0),
         FMAX=fmt.fmax, FLOOR=fmt.min_scale, BLOCK_M=bm, BLOCK_K=bk, num_warps=_warps(bm * bk))
-
-
-def quantize_act_tensor(x: torch.Tensor, fmt: Fp8Format = E4M3FN) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tensor FP8: `x [..., K]` -> `(q [M, K], s [] float32)`, rule "tensor" (SPEC §4)."""
-    x2 = _rows(x, "quantize_act_tensor")
-    M, K = x2.shape
-    q = torch.empty((M, K), dtype=fmt.dtype, device=x2.device)
-    s = torch.empty((), dtype=torch.float32, device=x2.device)
-    amax_bits = torch.zeros((), dtype=torch.int32, device=x2.device)
-    _launch_tensor(x2, q, s, amax_bits, fmt)
-    return q, s
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,10 +301,10 @@ def _block_quant_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_qn, stride_
     mask = (rows < N)[:, None] & (cols < K)[None, :]
     w = tl.load(w_ptr + rows64[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
     w = w.to(tl.float32)
-    amax = _as_f32(tl.max(tl.max(_abs_bits(w), axis=1), axis=0))
+    amax = as_f32(tl.max(tl.max(abs_bits(w), axis=1), axis=0))
     s = tl.math.div_rn(tl.maximum(amax, FLOOR, propagate_nan=tl.PropagateNan.ALL), FMAX)
     inv = tl.math.div_rn(1.0, s)
-    tl.store(q_ptr + rows64[:, None] * stride_qn + cols[None, :], _to_fp8(w * inv, q_ptr, FMAX),
+    tl.store(q_ptr + rows64[:, None] * stride_qn + cols[None, :], to_fp8(w * inv, q_ptr, FMAX),
              mask=mask)
     tl.store(s_ptr + pid_n * stride_sn + pid_k, s)
 
@@ -365,7 +313,7 @@ def _launch_block(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8For
     N, K = w.shape
     if N == 0 or K == 0:
         return
-    _block_quant_kernel[(triton.cdiv(N, GROUP), triton.cdiv(K, GROUP))](
+    _block_quant_kernel[(cdiv(N, GROUP), cdiv(K, GROUP))](
         w, q, s, N, K, w.stride(0), q.stride(0), s.stride(0),
         FMAX=fmt.fmax, FLOOR=BLOCK_AMAX_FLOOR, BLOCK=GROUP, num_warps=8)
 
@@ -396,7 +344,7 @@ def quantize_weight(w: torch.Tensor, scheme: Scheme | str, fmt: Fp8Format = E4M3
         for e in range(E):
             _launch_row(w3[e], q[e], s[e], fmt)
     else:
-        s = torch.empty((E, triton.cdiv(N, GROUP), triton.cdiv(K, GROUP)), dtype=torch.float32,
+        s = torch.empty((E, cdiv(N, GROUP), cdiv(K, GROUP)), dtype=torch.float32,
                         device=dev)
         for e in range(E):
             _launch_block(w3[e], q[e], s[e], fmt)
@@ -421,15 +369,10 @@ def weight_all_finite(w: torch.Tensor) -> torch.Tensor:
     return amax_bits < 0x7F800000
 
 
-def _is_interpreted() -> bool:
-    """Whether the kernels were built by Triton's interpreter (TRITON_INTERPRET=1 at import)."""
-    return type(_row_quant_kernel).__name__ == "InterpretedFunction"
-
-
 def available(device: torch.device | str | None = None) -> str | None:
     """None when these kernels run on `device`; otherwise a short reason.
 
     Runs on CUDA GPUs of compute capability >= 8.9 (hardware FP8 conversion), and on the CPU
     only when Triton's interpreter was enabled (TRITON_INTERPRET=1) before this module was imported.
     """
-    return device_reason(device, _is_interpreted(), _IMPORT_ERROR, (8, 9), "FP8 conversion")
+    return device_reason(device, interpreted(_row_quant_kernel), TRITON_ERROR, (8, 9), "FP8 conversion")
