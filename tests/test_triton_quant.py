@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from fp8now import numerics  # noqa: E402
-from fp8now.kernels import triton_quant as tq  # noqa: E402
+from fp8now.kernels import triton_quant as tq, triton_wquant as tw  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -100,7 +100,7 @@ def make_act(M: int, K: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 def quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-tensor rule's kernels (amax, then quantize), as the weight `tensor` scheme runs them."""
-    return tq.quantize_weight(x.reshape(-1, x.shape[-1]), "tensor")
+    return tw.quantize_weight(x.reshape(-1, x.shape[-1]), "tensor")
 
 
 def run_act(kind: str, x: torch.Tensor, **kw):
@@ -258,9 +258,9 @@ def test_rejects_bad_input():
     with pytest.raises(TypeError):
         tq.quantize_act_token(torch.zeros(2, 8, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError):
-        tq.quantize_weight(torch.zeros(2, 2, 8, 8, device=DEVICE), "block")
+        tw.quantize_weight(torch.zeros(2, 2, 8, 8, device=DEVICE), "block")
     with pytest.raises(ValueError):
-        tq.quantize_weight(torch.zeros(8, 8, device=DEVICE), "nonsense")
+        tw.quantize_weight(torch.zeros(8, 8, device=DEVICE), "nonsense")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -284,7 +284,7 @@ WEIGHT_RULE = {"tensor": ((-1, -1), "tensor"), "channel": ((1, -1), "row"), "blo
 
 
 def check_weight(w: torch.Tensor, scheme: str, max_frac: float = 0.05) -> None:
-    q, s = tq.quantize_weight(w, scheme)
+    q, s = tw.quantize_weight(w, scheme)
     q_ref, s_ref = numerics.quantize_weight(w.cpu(), scheme)
     assert s.dtype == torch.float32 and s.shape == s_ref.shape, (s.shape, s_ref.shape)
     assert torch.equal(s.cpu(), s_ref), f"{scheme} weight scales differ"
@@ -320,16 +320,16 @@ def test_weight_strided_view():
 
 def test_weight_all_finite():
     w = make_weight((130, 260), torch.bfloat16, seed=6)
-    assert bool(tq.weight_all_finite(w))
+    assert bool(tw.weight_all_finite(w))
     for bad in (float("nan"), float("inf"), float("-inf")):
         v = w.clone()
         v[129, 259] = bad
-        flag = tq.weight_all_finite(v)
+        flag = tw.weight_all_finite(v)
         assert flag.dtype == torch.bool and flag.shape == () and not bool(flag)
     e = make_weight((2, 64, 96), torch.float16, seed=8)
-    assert bool(tq.weight_all_finite(e))
+    assert bool(tw.weight_all_finite(e))
     e[1, 3, 4] = float("nan")
-    assert not bool(tq.weight_all_finite(e))
+    assert not bool(tw.weight_all_finite(e))
 
 
 def test_available():

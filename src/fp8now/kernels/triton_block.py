@@ -9,10 +9,8 @@ from .triton_jit import (SCALE_BLOCK, cdiv, check_bias, check_block_scale, check
 from .triton_splitk import reduce_splits, split_plan, store_partial
 from .triton_support import require_triton, tl, triton
 
-# M bucket -> config, tuned for Hopper (H100/H200): 16-row tiles and split-K (auto) for decode-sized M
-# (BLOCK_N=64 won on 12 of 14 H200 decode rows), 128x128 tiles with 8 warps for prefill: 4 stages beat
-# 3 by 1.03-1.15x at M = 4096 / 16384 over 5 shapes, and 13 other tile configurations were slower
-# (benchmarks/probe_kernels.py block, H200, 2026-12-03). BLOCK_K is the scale group (128).
+# M bucket -> config, tuned on the H200 (BENCHMARKS.md): 16-row tiles and split-K (auto) for decode-sized
+# M, 128x128 tiles with 8 warps and 4 stages for prefill. BLOCK_K is the scale group (128).
 BLOCK_TABLE = (
     (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=0)),
     (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4, SPLIT_K=0)),

@@ -7,9 +7,8 @@ kernel launch:
   (IEEE division, clamp, round-to-nearest-even cast), so the FP8 operands are exactly those of
   `numerics.quantize_activation`; per 1x128 group a program needs only its own K slice, per token it
   first reads its rows over all of K for the amax (cheap for a few short rows: the dispatch in
-  `triton_fp8` decides where). A pre-quantized `(x_q, x_s)` is also accepted. Measured on the H200
-  (BENCHMARKS.md): in-kernel quantization pays only for one row of 1x128 groups (block, M = 1, up to
-  N = 8192); per token, and for more rows, the Triton quantizer first is faster.
+  `kernels.plan` decides where). A pre-quantized `(x_q, x_s)` is also accepted. In-kernel quantization
+  pays only for one row of 1x128 groups (every program re-reads its rows; BENCHMARKS.md).
 - K is split over SPLITS programs per output tile. Each writes its float32 partial to a workspace,
   then takes a ticket from a per-tile counter (atomic add, acquire-release); the program that draws
   the last ticket adds the SPLITS partials in the fixed order 0..SPLITS-1 (deterministic whatever the
@@ -18,8 +17,7 @@ kernel launch:
   exchanges (`_exchange`): each element's partial sum travels through one atomic exchange per level, so
   there is no workspace store, fence, ticket or re-read on the last program's path. Deterministic,
   because a + b == b + a in float32 whichever of a pair arrives second. Each level costs a round trip
-  and M x BLOCK_N atomics per tile, so it pays at two splits on few tiles (H200: 1.02-1.06x faster at
-  N = 4096-8192, M = 2-16; slower than the ticket at 8 splits and from N = 28672; `triton_fp8`).
+  and M x BLOCK_N atomics per tile, so it pays at two splits on few tiles (`plan.Table.few_splits_n`).
 
 The counters are an int32 tensor that must be zero before the launch and is zero again after it: the
 caller keeps one per layer (`ticket_counters(N, device)`; `Fp8Linear` owns it as its workspace). Two

@@ -7,15 +7,10 @@ weight rows over all of K (contiguous loads per row), multiplies them by each ac
 float32 (FP8 x FP8 products are exact in float32), one [BLOCK_N, BLOCK_K] accumulator per row, and
 sums once at the end, so nothing is written but the output. The activation comes pre-quantized from
 the Triton quantizer, launched with `early_launch` so that this kernel (a programmatic dependent
-launch) starts while it runs. H200, M = 1, CUDA graphs of 8 weight copies (BENCHMARKS.md "Decode at
-M = 1: a GEMV" and "GEMV launch configs by N"): on the FP8 row 8.3 µs at 4096 x 4096 against 10.2 µs
-for the split-K decode kernel, where a Triton kernel that only reads the weight takes 7.4 µs. The
-dispatch (`triton_fp8.GEMV_N`) uses it at M = 1 for channel, small tensor layers and block from
-N = 4096. Measured and not dispatched: 2 and 4 rows (the accumulators per row cost registers, so
-fewer weight bytes are in flight: slower than the decode kernel on every shape but 1024 x 4096);
-reading the first weight chunk before the programmatic-dependent wait (slower on all 16 tensor and
-channel rows, mixed for block); quantizing inside this kernel (every program quantized the whole row
-again).
+launch) starts while it runs. The plan (`plan.Table.gemv`) uses it where it measured faster
+(BENCHMARKS.md). Measured and not planned: 2 and 4 rows (the accumulators per row cost registers, so
+fewer weight bytes are in flight); reading the first weight chunk before the programmatic-dependent
+wait; quantizing inside this kernel (every program quantized the whole row again).
 
 Numerics (SPEC §4): float32 products and sums.
 - tensor / channel: y[m, n] = (sum_k x_q[m, k] w_q[n, k]) * s_x[m] * s_w[n].
@@ -33,10 +28,9 @@ from .plan import GEMV_MAX_M, rows_bucket
 from .triton_support import gdc_wait, require_triton, sm90, tl, triton
 
 # Launch configs by (ROWS, activation scales: "token" for tensor / channel, "group" for block), then by
-# N: (largest N, config) rows, the last a catch-all (triton_jit.pick). M = 1 from a sweep of 7 configs
-# over the 8 probe shapes on the H200 (benchmarks/probe_gemv_rows.py, BENCHMARKS.md "GEMV launch
-# configs by N"); each row's config is within 3% of that shape's fastest. More rows hold ROWS x
-# BLOCK_N x BLOCK_K float32 products per program, so BLOCK_K shrinks with ROWS (measured, not dispatched).
+# N: (largest N, config) rows, the last a catch-all (triton_jit.pick); M = 1 from a sweep on the H200
+# (BENCHMARKS.md). More rows hold ROWS x BLOCK_N x BLOCK_K float32 products per program, so BLOCK_K
+# shrinks with ROWS.
 _C = dict(num_warps=4)
 GEMV_CONFIGS = {
     (1, "token"): [(4096, dict(BLOCK_N=4, BLOCK_K=1024, **_C)), (None, dict(BLOCK_N=8, BLOCK_K=512, **_C))],
