@@ -27,17 +27,24 @@ WIDE = 1 << 62      # an open upper end of an N range
 class Table:
     """The per-call thresholds of the triton backend (ranges of N are inclusive)."""
 
-    rowwise_max_m: int = 64          # token scales: the Triton rowwise GEMM up to this M, then cuBLAS
-    block_max_m: int = 32            # group scales: the Triton block GEMM up to this M, then `block_large`
-    block_large: str = "cublas"      # above block_max_m: "cublas" (blockwise, where K fits) or "triton"
-    # the GEMV after the Triton quantizer: (scheme, GEMV rows bucket, lowest N, highest N) rows; none: never
+    # M at or below which the split-K Triton GEMMs beat cuBLAS (few output tiles need K split over the SMs)
+    rowwise_max_m: int = 64          # token scales; above: cuBLAS rowwise
+    block_max_m: int = 32            # group scales; above: `block_large`
+    block_large: str = "cublas"      # "cublas" (blockwise, where cuBLAS takes K) or "triton"
+    # the GEMV after the Triton quantizer: (scheme, GEMV rows bucket, lowest N, highest N) rows; none: never.
+    # Only one row: with 2-4 rows the per-row accumulators leave fewer weight bytes in flight than the
+    # decode kernel; wide tensor layers go to cuBLAS tensorwise instead.
     gemv: tuple[tuple[str, int, int, int], ...] = (
         ("tensor", 1, 0, 6144), ("channel", 1, 0, WIDE), ("block", 1, 4096, WIDE))
     tensorwise_m1: bool = True       # tensor scheme, M = 1: cuBLAS tensorwise (one row's scale is per-tensor)
-    pdl_max_m: int = 4               # token decode: a programmatic dependent launch up to this M
-    fused_block_max_n: int = 8192    # block, M = 1: the decode kernel quantizes its own groups up to this N
-    few_splits_n: tuple[int, int] = (4096, 8192)  # decode with few K splits (token: by exchange) for this N
-    compiled_quant: tuple[str, ...] = ("token",)  # under torch.compile: these kinds quantize with torch ops
+    pdl_max_m: int = 4               # token decode: start the GEMM while the quantizer runs up to this M
+    fused_block_max_n: int = 8192    # block, M = 1: one launch that quantizes its own groups, while few tiles
+    # decode with few K splits (token: two added by exchange): below, too few programs; above, the output
+    # tiles alone fill the GPU and the exchange's atomics cost more than the ticket
+    few_splits_n: tuple[int, int] = (4096, 8192)
+    # under torch.compile, these kinds quantize with torch ops that inductor fuses into the producer
+    # (1x128 groups: inductor splits them into passes that recompute the producer, so not "group")
+    compiled_quant: tuple[str, ...] = ("token",)
 
 
 # Device class -> table. Only "cuda-fp8" runs the triton backend; its numbers come from the H200.

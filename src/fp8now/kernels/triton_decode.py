@@ -30,6 +30,7 @@ import torch
 
 from ..numerics import E4M3FN, GROUP_AMAX_FLOOR
 from . import triton_jit as tj
+from .plan import DECODE_MAX_M
 from .triton_jit import abs_bits, as_f32, to_fp8
 from .triton_splitk import split_sizes, split_workspace
 from .triton_support import gdc_wait, memo, require_triton, sm90, tl, triton
@@ -39,7 +40,7 @@ W_KINDS = ("tensor", "channel", "block")
 # Decode tile: 16 rows (every M <= 16 in one row tile), 64 columns (the H200 decode sweep's winner for
 # the split-K GEMMs, benchmarks/tune_decode.py), 4 warps, 4 stages; K split as for the split-K GEMMs.
 DECODE_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=0)
-MAX_M = 16
+MAX_M = DECODE_MAX_M   # one row tile of BLOCK_M rows
 # the exchange slots' empty value: a NaN bit pattern no float32 sum produces (GPUs write the canonical
 # NaN 0x7FFFFFFF; this one has the sign bit set and another payload)
 EMPTY = -0x00452453  # 0xFFBADBAD as int32
