@@ -111,8 +111,8 @@ def run_act(kind: str, x: torch.Tensor, **kw):
 ACT_GROUP_RULE = {"token": ((1, -1), "row"), "group": ((1, 128), "group"), "tensor": ((-1, -1), "tensor")}
 
 
-def check_act(kind: str, x: torch.Tensor, max_frac: float = 0.05) -> None:
-    q, s = run_act(kind, x)
+def check_act(kind: str, x: torch.Tensor, max_frac: float = 0.05, quantize=None) -> None:
+    q, s = (quantize or (lambda t: run_act(kind, t)))(x)
     q_ref, s_ref = numerics.quantize_activation(x.cpu(), kind)
     assert s.dtype == torch.float32 and s.shape == s_ref.shape, (s.shape, s_ref.shape)
     assert torch.equal(s.cpu(), s_ref), f"{kind} scales differ"
@@ -172,14 +172,19 @@ def test_long_rows(kind):
 
 
 @pytest.mark.parametrize("many", [False, True], ids=["few-rows-one-tile", "many-rows-chunks"])
-def test_token_rows_between_the_limits(many, monkeypatch):
+def test_token_rows_between_the_limits(many):
     """_ROW_MAX_SINGLE < K <= _ROW_MAX_SINGLE_FEW_ROWS: few rows are held whole (one wide masked tile),
     many rows go through the two-pass loop in 2048-wide chunks (the row count that switches is
-    lowered here so that the interpreter stays quick)."""
-    monkeypatch.setattr(tq, "_FEW_ROWS", 3)
+    lowered to 3 here so that the interpreter stays quick)."""
     m, k = (3 if many else 2), tq._ROW_MAX_SINGLE + 300
-    assert tq._row_plan(m, k)[:2] == ((False, 2048) if many else (True, 16384))
-    check_act("token", make_act(m, k, torch.bfloat16, seed=8))
+    assert tq._row_plan(m, k, few_rows=3)[:2] == ((False, 2048) if many else (True, 16384))
+
+    def quantize(x):
+        q = torch.empty(x.shape, dtype=numerics.E4M3FN.dtype, device=x.device)
+        s = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+        tq.launch_row(x, q, s, numerics.E4M3FN, few_rows=3)
+        return q, s
+    check_act("token", make_act(m, k, torch.bfloat16, seed=8), quantize=quantize)
 
 
 @pytest.mark.parametrize("kind", ["token", "group", "tensor"])

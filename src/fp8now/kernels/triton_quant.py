@@ -105,9 +105,10 @@ def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm,
     tl.store(s_ptr + rows64, s, mask=row_ok)
 
 
-def _row_plan(M: int, K: int) -> tuple[bool, int, int, int]:
-    """(whole rows?, BLOCK_K, BLOCK_M, warps) of the per-token kernel for x [M, K]."""
-    if K <= (_ROW_MAX_SINGLE if M >= _FEW_ROWS else _ROW_MAX_SINGLE_FEW_ROWS):
+def _row_plan(M: int, K: int, few_rows: int = _FEW_ROWS) -> tuple[bool, int, int, int]:
+    """(whole rows?, BLOCK_K, BLOCK_M, warps) of the per-token kernel for x [M, K]; under `few_rows`
+    rows, rows up to _ROW_MAX_SINGLE_FEW_ROWS stay whole."""
+    if K <= (_ROW_MAX_SINGLE if M >= few_rows else _ROW_MAX_SINGLE_FEW_ROWS):
         block_k = max(pow2(K), 16)
         block_m = max(1, min(2048 // block_k, pow2(M), 64))
         return True, block_k, block_m, warps_for(block_m * block_k)
@@ -116,12 +117,12 @@ def _row_plan(M: int, K: int) -> tuple[bool, int, int, int]:
 
 
 def launch_row(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8Format,
-                early_launch: bool = False) -> None:
+               early_launch: bool = False, few_rows: int = _FEW_ROWS) -> None:
     """Per-row quantization of x2 [M, K] into q [M, K] (row stride free) and s [M] (contiguous)."""
     M, K = x2.shape
     if M == 0:
         return
-    single, block_k, block_m, warps = _row_plan(M, K)
+    single, block_k, block_m, warps = _row_plan(M, K, few_rows)
     _row_quant_kernel[(cdiv(M, block_m),)](
         x2, q, s, M, K, x2.stride(0), q.stride(0),
         FMAX=fmt.fmax, FLOOR=fmt.min_scale, BLOCK_M=block_m, BLOCK_K=block_k, SINGLE=single,
