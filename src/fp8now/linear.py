@@ -13,6 +13,7 @@ from .kernels import backend_module, device_class, pick_backend, quantize_weight
 from .kernels.plan import Path, Table, Weights, plan
 from .numerics import E4M3FN
 
+_PATHS_KEPT = 512   # distinct M whose planned path a layer remembers (eager calls)
 _QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.int8,
                      torch.uint8, torch.int32, torch.int16)
 
@@ -168,7 +169,9 @@ class Fp8Linear(nn.Module):
         else:
             path = self._paths.get(m)
             if path is None:
-                path = self._paths[m] = self.path(m)
+                path = self.path(m)
+                if len(self._paths) < _PATHS_KEPT:
+                    self._paths[m] = path
         return self._impl.linear(x2, Weights(self.weight, self.weight_scale, self.bias, self.workspace), path)
 
     def _addresses(self) -> tuple[int, ...]:
