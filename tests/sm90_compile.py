@@ -21,7 +21,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fp8now.kernels import triton_decode as td, triton_gemm as tg, triton_gemv as tv, triton_quant as tq  # noqa: E402
+from fp8now.kernels import triton_block as tb, triton_decode as td, triton_gemv as tv, triton_quant as tq  # noqa: E402
+from fp8now.kernels import triton_rowwise as tr, triton_splitk as tk, triton_w8a16 as t8, triton_wquant as tw  # noqa: E402
 from fp8now.numerics import E4M3FN, GROUP_AMAX_FLOOR  # noqa: E402
 
 FP8, F32, BF16, I32 = "*fp8e4nv", "*fp32", "*bf16", "*i32"
@@ -96,25 +97,25 @@ def main():
         compile_one(f"gemv rows=1 group={group} M=1 constant", tv._gemv_kernel, GEMM_PTRS,
                     dict(M=1, ACT_GROUP=group, HAS_BIAS=False, ROWS=1, BLOCK_N=4, BLOCK_K=1024, PDL=False),
                     dict(num_warps=4))
-    compile_one("amax", tq._amax_kernel, dict(x_ptr=BF16, amax_ptr=I32),
+    compile_one("amax", tw._amax_kernel, dict(x_ptr=BF16, amax_ptr=I32),
                 dict(BLOCK_M=8, BLOCK_K=1024, K_ITERS=8), dict(num_warps=16))
-    compile_one("tensor_quant", tq._tensor_quant_kernel, dict(x_ptr=BF16, q_ptr=FP8, amax_ptr=I32, s_ptr=F32),
+    compile_one("tensor_quant", tw._tensor_quant_kernel, dict(x_ptr=BF16, q_ptr=FP8, amax_ptr=I32, s_ptr=F32),
                 dict(FMAX=E4M3FN.fmax, FLOOR=E4M3FN.min_scale, BLOCK_M=4, BLOCK_K=2048), dict(num_warps=16))
-    compile_one("block_quant", tq._block_quant_kernel, dict(w_ptr=BF16, q_ptr=FP8, s_ptr=F32),
+    compile_one("block_quant", tw._block_quant_kernel, dict(w_ptr=BF16, q_ptr=FP8, s_ptr=F32),
                 dict(FMAX=E4M3FN.fmax, FLOOR=1e-4, BLOCK=128), dict(num_warps=8))
     g = GEMM_PTRS
-    for bound, c in tg._BLOCK_TABLE:
+    for bound, c in tb.BLOCK_TABLE:
         t = dict(BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"])
         o = dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
         partial = c["SPLIT_K"] != 1
-        compile_one(f"block_gemm M<={bound}", tg._block_gemm_kernel, g, dict(HAS_BIAS=True, PARTIAL=partial, **t), o)
-        compile_one(f"rowwise_gemm M<={bound}", tg._rowwise_gemm_kernel, g,
+        compile_one(f"block_gemm M<={bound}", tb._block_gemm_kernel, g, dict(HAS_BIAS=True, PARTIAL=partial, **t), o)
+        compile_one(f"rowwise_gemm M<={bound}", tr._rowwise_gemm_kernel, g,
                     dict(HAS_BIAS=True, PARTIAL=partial, **t), o, scalars=dict(one="fp32"))
-    compile_one("split_reduce", tg._split_reduce_kernel,
+    compile_one("split_reduce", tk.split_reduce_kernel,
                 dict(p_ptr=F32, xs_ptr=F32, ws_ptr=F32, b_ptr=F32, y_ptr=BF16),
                 dict(SPLITS=4, SCALED=True, HAS_BIAS=True, BLOCK=1024), dict(num_warps=4))
-    c = tg._W8A16_TABLE[-1][1]
-    compile_one("w8a16_gemm sm_80", tg._w8a16_gemm_kernel,
+    c = t8.W8A16_TABLE[-1][1]
+    compile_one("w8a16_gemm sm_80", t8._w8a16_gemm_kernel,
                 dict(x_ptr=BF16, w_ptr="*u8", ws_ptr=F32, b_ptr=F32, y_ptr=BF16),
                 dict(UPCAST_DOT=False, HAS_BIAS=True, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
                      BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"]),

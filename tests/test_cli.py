@@ -136,3 +136,22 @@ def test_bare_fp8_is_one_line_listing_each_tools_meaning(tiny_dir, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "FP8 scheme 'Fp8': bare fp8" in err
     assert "vLLM" in err and "FineGrainedFP8Config" in err and "llm-compressor" in err
+
+
+def test_inspect_names_each_layers_kernel_path(tiny_dir):
+    """`inspect --json` prints the report's `to_dict()` (strict JSON), whose layer rows map 1, 16 and
+    4096 tokens per call to the path that layer's calls run (on CPU: the exact reference, numerics'
+    quantizer); the text output lists the same paths."""
+    run = lambda *a: subprocess.run([sys.executable, "-m", "fp8now.cli", "inspect", str(tiny_dir),  # noqa: E731
+                                     "--device", "cpu", *a], capture_output=True, text=True, timeout=300)
+    proc = run("--scheme", "block", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["scheme"] == "block" and report["layers"]
+    for row in report["layers"]:
+        assert row["backend"] == "reference"
+        assert row["plan"] == {m: "torch-group + reference" for m in ("1", "16", "4096")}, row
+    text = run("--scheme", "channel")
+    assert text.returncode == 0, text.stderr
+    assert "kernel plans (tokens per call: path)" in text.stdout
+    assert "    4096: torch-token + reference" in text.stdout

@@ -1,6 +1,6 @@
 """Activation quantization under torch.compile: `numerics.quantize_activation` (the torch and
 reference backends' quantizer, and the `triton` backend's per-token quantizer while compiling, through
-`triton_fp8._token` / `_group`) compiled must give the bytes of the eager CPU reference, whose float32
+`triton_fp8.quantize`) compiled must give the bytes of the eager CPU reference, whose float32
 division is the spec's true division. Compiled, each true division is `numerics.exact_div32`, since
 inductor lowers a float32 `/` to an approximate division in Triton. The data include rows built so
 that x / s lands within a few float32 ulps of an FP8 rounding midpoint: there a float32 reciprocal
@@ -13,7 +13,9 @@ import torch
 
 from fp8_oracle import fp8_values, varied
 from fp8now import numerics
+from fp8now.config import Scheme
 from fp8now.kernels import triton_fp8
+from fp8now.kernels.plan import Table, plan
 
 FMAX = numerics.E4M3FN.fmax
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run with -m gpu there)")
@@ -105,20 +107,23 @@ def test_numerics_under_compile_keeps_its_bytes(kind):
         check(fn, kind, x)
 
 
-def backend_quantizers(monkeypatch) -> tuple:
-    """The triton backend's quantizer entry points, compiled with their torch-op path switched on
-    for both kinds (dynamic M: one graph for every M); group with column-major scales."""
-    monkeypatch.setitem(triton_fp8.COMPILED_QUANT, "token", True)
-    monkeypatch.setitem(triton_fp8.COMPILED_QUANT, "group", True)
+def backend_quantizers() -> tuple:
+    """The triton backend's quantizer (`triton_fp8.quantize`), compiled on the paths a table with the
+    torch-op quantizer switched on for both kinds plans under compile (dynamic M: one graph for every
+    M); group with column-major scales (the cuBLAS blockwise path)."""
+    table = Table(compiled_quant=("token", "group"))
+    token_path = plan("triton", Scheme.CHANNEL, "token", 4096, 1024, 1024, "cuda-fp8", compiling=True, table=table)
+    group_path = plan("triton", Scheme.BLOCK, "group", 4096, 1024, 1024, "cuda-fp8", compiling=True, table=table)
+    assert (token_path.quant, group_path.quant, group_path.gemm) == ("torch", "torch", "cublas-blockwise")
     torch._dynamo.reset()
-    token = torch.compile(lambda x: triton_fp8._token(x), dynamic=True, fullgraph=True)
-    group = torch.compile(lambda x: triton_fp8._group(x, col_major=True), dynamic=True, fullgraph=True)
+    token = torch.compile(lambda x: triton_fp8.quantize(x, token_path), dynamic=True, fullgraph=True)
+    group = torch.compile(lambda x: triton_fp8.quantize(x, group_path), dynamic=True, fullgraph=True)
     return token, group
 
 
-def test_backend_quantizers_compile_to_the_reference_bytes(monkeypatch):
-    """Through `triton_fp8._token` / `_group` (no Triton launch on this path), col-major scales at each M."""
-    token, group = backend_quantizers(monkeypatch)
+def test_backend_quantizers_compile_to_the_reference_bytes():
+    """Through `triton_fp8.quantize` (no Triton launch on this path), col-major scales at each M."""
+    token, group = backend_quantizers()
     for m in (3, 17, 64):
         x = varied((m, 256), torch.bfloat16, seed=20 + m)
         check(token, "token", x)
@@ -131,11 +136,11 @@ def test_backend_quantizers_compile_to_the_reference_bytes(monkeypatch):
 
 @pytest.mark.gpu
 @cuda_only
-def test_compiled_on_cuda_matches_reference_where_plain_division_does_not(monkeypatch):
+def test_compiled_on_cuda_matches_reference_where_plain_division_does_not():
     """Inductor lowers a float32 `/` to Triton's approximate division: the control (the spec's
     formula written naively in float32 torch ops) loses bytes on the near-midpoint data; the float64
     reciprocal product does not."""
-    token, group = backend_quantizers(monkeypatch)
+    token, group = backend_quantizers()
     for x in (near_midpoints(64, 512, seed=5), varied((48, 1024), torch.bfloat16, seed=6)):
         check(token, "token", x.cuda())
         check(group, "group", x.cuda())

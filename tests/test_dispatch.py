@@ -57,3 +57,44 @@ def test_layer_picks_on_load():
     lin = torch.nn.Linear(64, 48).to(torch.bfloat16)
     layer = Fp8Linear.from_linear(lin, Fp8Config(scheme="tensor", backend="torch"))
     assert layer.backend == "torch"
+
+
+def test_every_backend_has_a_planner_and_the_interface():
+    """A backend is its module (available, linear; optional workspace) plus a planner in kernels.plan."""
+    from fp8now.kernels import MODULES, backend_module
+    from fp8now.kernels.plan import PLANNERS
+    assert set(MODULES) == set(PLANNERS)
+    for name in MODULES:
+        module = backend_module(name)
+        assert callable(module.available) and callable(module.linear), name
+
+
+def test_importable_without_triton(tmp_path):
+    """With triton unimportable, fp8now and every kernel module import; the Triton backends say why
+    they cannot run, and a layer runs on the reference backend, reporting its path."""
+    import subprocess
+    import sys
+    code = """
+import sys
+sys.modules["triton"] = None
+import torch
+import fp8now
+from fp8now import Fp8Config, Fp8Linear
+from fp8now.kernels import MODULES, backend_module, pick_backend, triton_quant
+for name in MODULES:
+    backend_module(name)
+for mod in ("triton_block", "triton_rowwise", "triton_splitk", "triton_wquant", "triton_gemv", "triton_decode"):
+    __import__("fp8now.kernels." + mod)
+assert "triton is not importable" in triton_quant.available("cpu")
+try:
+    pick_backend("cpu", "channel", "token", 64, 64, forced="triton")
+    raise SystemExit("triton was picked")
+except RuntimeError as e:
+    assert "triton is not importable" in str(e), e
+layer = Fp8Linear.from_linear(torch.nn.Linear(64, 32), Fp8Config())
+assert layer(torch.randn(2, 64)).shape == (2, 32)
+print(layer.backend, layer.path(1).name)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "reference torch-token + reference"

@@ -91,9 +91,10 @@ def test_decode_kernel_deterministic_and_counters_reset(scheme, m):
     torch.cuda.synchronize()
     from fp8now.kernels import triton_decode as td
     tickets = 4096 // 16
-    assert layer.split_counters is not None and int(layer.split_counters[:tickets].abs().sum()) == 0
-    assert layer.split_counters.numel() == tickets + td.MAX_M * 4096
-    assert bool((layer.split_counters[tickets:] == td.EMPTY).all())
+    assert layer.workspace is not None and int(layer.workspace[:tickets].abs().sum()) == 0
+    exchange = scheme is not Scheme.BLOCK   # block's few-split decode adds its splits by ticket
+    assert layer.workspace.numel() == tickets + (td.MAX_M * 4096 if exchange else 0)
+    assert bool((layer.workspace[tickets:] == td.EMPTY).all())
 
 
 @pytest.mark.parametrize("scheme", list(Scheme))
@@ -168,28 +169,25 @@ def test_forward_never_synchronizes_the_host(scheme, batch_invariant):
                                            (Scheme.BLOCK, 1, True), (Scheme.CHANNEL, 4, True),
                                            (Scheme.BLOCK, 3, True), (Scheme.CHANNEL, 4, False),
                                            (Scheme.TENSOR, 4, False)])
-def test_decode_pdl_launch_reads_the_fresh_activation(scheme, m, gemv, monkeypatch):
+def test_decode_pdl_launch_reads_the_fresh_activation(scheme, m, gemv):
     """The GEMM starts while the quantizer still runs (programmatic dependent launch): the GEMV (forced
     on for every scheme and M <= 4 here) and the decode kernel at M = 4. Each call's input is written
     by a kernel right before the call: every output must equal the plain launch's bytes for that
     input, eager and replayed in a CUDA graph."""
-    from fp8now.kernels import triton_decode, triton_fp8, triton_gemv, triton_quant
-    assert gemv or m <= triton_fp8.PDL_MAX_M
-    monkeypatch.setattr(triton_fp8, "GEMV_N", {s: {r: (0, 1 << 62) for r in (1, 2, 4)} if gemv else {}
-                                               for s in ("tensor", "channel", "block")})
+    import dataclasses
+
+    from fp8now.kernels import triton_fp8
+    from fp8now.kernels.plan import WIDE, Table, Weights
     lin, layer = layer_for(4096, 4096, scheme, "triton", bias=False)
+    layer.use_table(Table(gemv=tuple((s.value, r, 0, WIDE) for s in Scheme for r in (1, 2, 4)) if gemv else ()))
+    path = layer.path(m)
+    assert path.pdl and path.gemm == ("triton-gemv" if gemv else "triton-decode-exchange")
     xs = [varied((m, 4096), torch.float32, seed=m * 100 + i, spread=3).cuda().to(torch.bfloat16)
           for i in range(20)]
 
-    def plain(x):
-        block = scheme is Scheme.BLOCK
-        q, s = triton_quant.quantize_act_group(x) if block else triton_quant.quantize_act_token(x)
-        if gemv:
-            return triton_gemv.gemv(q, layer.weight, layer.weight_scale, scheme.value, x_scale=s,
-                                    out_dtype=x.dtype, pdl=False)
-        cfg, slots = triton_fp8.token_decode_plan(4096, 4096, None, x.device)   # the dispatch's summation
-        return triton_decode.decode_linear(q, layer.weight, layer.weight_scale, scheme.value, "token",
-                                           x_scale=s, out_dtype=x.dtype, pdl=False, config=cfg, slots=slots)
+    def plain(x):   # the same path launched plainly, with fresh exchange slots
+        return triton_fp8.linear(x, Weights(layer.weight, layer.weight_scale, None, None),
+                                 dataclasses.replace(path, pdl=False))
     want = [plain(x) for x in xs]
     check_exact(layer, lin, xs[0])
     buf = torch.empty_like(xs[0])
@@ -244,8 +242,8 @@ def test_compile_sees_which_inputs_each_kernel_writes(scheme, m, n):
 
 @pytest.mark.parametrize("scheme,fused", [(Scheme.CHANNEL, True), (Scheme.BLOCK, True), (Scheme.BLOCK, False)])
 @pytest.mark.parametrize("m", [4, 512])
-def test_compiled_quantization_fuses_into_the_producing_norm(scheme, fused, m, monkeypatch):
-    """Under torch.compile, where `triton_fp8.COMPILED_QUANT` says so for the activation kind, the
+def test_compiled_quantization_fuses_into_the_producing_norm(scheme, fused, m):
+    """Under torch.compile, where the plan table's `compiled_quant` says so for the activation kind, the
     quantizer is inductor code (numerics' torch ops): no fp8now quantizer kernel is launched;
     elsewhere the Triton one is. Per token (channel), whose amax runs along the norm's own reduction,
     the normalized bf16 activation never reaches memory: inductor allocates the FP8 activation
@@ -256,10 +254,11 @@ def test_compiled_quantization_fuses_into_the_producing_norm(scheme, fused, m, m
 
     from torch._inductor.utils import run_and_get_code
 
-    from fp8now.kernels import triton_fp8
+    from fp8now.kernels.plan import Table
     kind = "token" if scheme is Scheme.CHANNEL else "group"
-    monkeypatch.setitem(triton_fp8.COMPILED_QUANT, kind, fused)
     lin, layer = layer_for(1024, 2048, scheme, "auto")
+    layer.use_table(Table(compiled_quant=(kind,) if fused else ()))
+    assert (layer.path(m, compiling=True).quant == "torch") == fused
     w = (1 + 0.1 * torch.randn(2048, device="cuda")).to(torch.bfloat16)
 
     def f(x):   # transformers' Llama RMSNorm, then the layer
@@ -296,7 +295,7 @@ def test_torch_backend_compiles_to_its_eager_bytes(scheme):
 
 @pytest.mark.parametrize("scheme", list(Scheme))
 def test_compile_fullgraph_few_split_exchange(scheme):
-    """N = 4096 (triton_fp8.FEW_SPLITS_N): two K splits added by exchange through the layer's workspace
+    """N = 4096 (plan.Table.few_splits_n): two K splits added by exchange through the layer's workspace
     (tensor / channel), the decode kernel on pre-quantized groups (block). Compiled equals eager; the
     workspace is back to zeros and EMPTY slots after the compiled calls."""
     from fp8now.kernels import triton_decode as td
@@ -309,8 +308,8 @@ def test_compile_fullgraph_few_split_exchange(scheme):
         assert torch.equal(compiled(x), layer(x))
     torch.cuda.synchronize()
     tickets = 4096 // 16
-    assert int(layer.split_counters[:tickets].abs().sum()) == 0
-    assert bool((layer.split_counters[tickets:] == td.EMPTY).all())
+    assert int(layer.workspace[:tickets].abs().sum()) == 0
+    assert bool((layer.workspace[tickets:] == td.EMPTY).all())
 
 
 @pytest.mark.parametrize("scheme", list(Scheme))

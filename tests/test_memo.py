@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from fp8now.kernels import triton_decode, triton_gemm
+from fp8now.kernels import triton_decode, triton_splitk
 from fp8now.kernels.triton_support import memo, sm90
 
 
@@ -43,10 +43,10 @@ def test_dynamo_warns_on_lru_cache_but_not_on_memo():
 def test_fp8now_launch_helpers_trace_without_the_warning():
     dev = torch.device("cpu")
     x = torch.randn(4, 3)
-    eager = (triton_gemm._sm_count(dev), sm90(dev), triton_decode._default_plan(16, 256, 512, dev))
+    eager = (triton_splitk.sm_count(dev), sm90(dev), triton_decode._default_plan(16, 256, 512, dev))
 
     def helpers(t):
-        count, hopper, plan = (triton_gemm._sm_count(t.device), sm90(t.device),
+        count, hopper, plan = (triton_splitk.sm_count(t.device), sm90(t.device),
                                triton_decode._default_plan(16, 256, 512, t.device))
         return t * count + (1.0 if hopper else 0.0) + sum(plan)
 

@@ -14,13 +14,12 @@ import torch
 pytest.importorskip("triton")
 
 from fp8now import numerics as nu  # noqa: E402  (conftest chose the interpreter before this import)
-from fp8now.kernels import split_counters  # noqa: E402
-from fp8now.kernels import triton_decode as td, triton_gemm as tg, triton_gemv as tv, triton_quant as tq  # noqa: E402
+from fp8now.kernels import triton_decode as td, triton_jit as tj, triton_gemv as tv, triton_quant as tq  # noqa: E402
 from fp8_oracle import varied  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = [pytest.mark.triton,
-              pytest.mark.skipif(tg.available(DEV) is not None, reason=f"Triton: {tg.available(DEV)}")]
+              pytest.mark.skipif(tj.available(DEV) is not None, reason=f"Triton: {tj.available(DEV)}")]
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 W_GROUP = {"tensor": (-1, -1), "channel": (1, -1), "block": (128, 128)}
 PAIRS = [("channel", "token"), ("tensor", "token"), ("block", "group")]
@@ -56,7 +55,7 @@ def _exact(x_q, x_s, act, w_q, w_s, w_kind, b):
 def test_decode_matches_exact_product(w_kind, act, m, n, k, split):
     """Every split count (5 splits of 128 = one K-block each), M and N tails, bias, float32 output."""
     x, w_q, w_s, b = _operands(m, n, k, w_kind, seed=m * 1000 + n + split)
-    counters = split_counters(n, DEV)
+    counters = td.ticket_counters(n, DEV)
     y = td.decode_linear(x, w_q, w_s, w_kind, act, b, counters=counters, out_dtype=FP32,
                          config=dict(SPLIT_K=split))
     ref = _exact(*_quantized_x(x, act), act, w_q, w_s, w_kind, b)
@@ -72,7 +71,7 @@ def test_decode_matches_exact_product(w_kind, act, m, n, k, split):
 def test_decode_split_count_and_order_do_not_change_the_sum_beyond_rounding(w_kind, act):
     """1, 2 and 5 splits agree to float32 rounding; the same split twice gives the same bytes."""
     x, w_q, w_s, b = _operands(4, 160, 640, w_kind, seed=3)
-    counters = split_counters(160, DEV)
+    counters = td.ticket_counters(160, DEV)
     run = lambda s: td.decode_linear(x, w_q, w_s, w_kind, act, b, counters=counters,  # noqa: E731
                                      out_dtype=FP32, config=dict(SPLIT_K=s))
     y1, y2, y5 = run(1), run(2), run(5)
@@ -200,27 +199,35 @@ def test_decode_exchange_same_bytes_whoever_arrives_second(w_kind, act, m, split
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("fused_max_n,gemv,few", [(0, False, False), (4096, False, False), (0, True, False),
                                                   (0, False, True)])
-def test_triton_backend_decode_dispatch(scheme, m, fused_max_n, gemv, few, monkeypatch):
+def test_triton_backend_decode_dispatch(scheme, m, fused_max_n, gemv, few):
     """The triton backend's decode branches (quantizer + decode kernel; block at M=1 fused or not;
     the GEMV at M = 1 and 3 for every scheme; the few-split plan: two splits by exchange, block on the
-    decode kernel), called directly (on CPU the backend itself refuses to be picked, the interpreter
-    runs its kernels). The layer's workspace is back to zeros (and EMPTY slots) after the call."""
+    decode kernel), chosen by a table and run through `triton_fp8.linear` (on CPU the backend itself
+    refuses to be picked, the interpreter runs its kernels). The layer's workspace (the backend's hook)
+    is back to zeros (and EMPTY slots) after the call."""
     from fp8now.config import Scheme
     from fp8now.kernels import triton_fp8
-    monkeypatch.setattr(triton_fp8, "FUSED_BLOCK_MAX_N", fused_max_n)
-    monkeypatch.setattr(triton_fp8, "FEW_SPLITS_N", (0, 1 << 62) if few else (1, 0))
-    monkeypatch.setattr(triton_fp8, "GEMV_N", {s: {r: (0, 1 << 62) for r in (1, 2, 4)} if gemv else {}
-                                               for s in ("tensor", "channel", "block")})
+    from fp8now.kernels.plan import WIDE, Table, Weights, plan
+    table = Table(fused_block_max_n=fused_max_n, few_splits_n=(0, WIDE) if few else (1, 0), tensorwise_m1=False,
+                  gemv=tuple((s, r, 0, WIDE) for s in ("tensor", "channel", "block") for r in (1, 2, 4)) if gemv else ())
     act = "group" if scheme == "block" else "token"
     x, w_q, w_s, b = _operands(m, 160, 1024, scheme, seed=31 + m)   # K=1024: auto-split in two
-    counters = split_counters(160, DEV)
-    y = triton_fp8.linear(x, w_q, w_s, b, Scheme(scheme), act, counters=counters)
+    path = plan("triton", Scheme(scheme), act, m, 160, 1024, "cuda-fp8", table=table)
+    fused = scheme == "block" and m == 1 and fused_max_n >= 160
+    want = ("triton-gemv" if gemv else "triton-decode-exchange" if few and act == "token"
+            else "triton-decode" if act == "token" or fused or few else "triton-block")
+    assert path.gemm == want and (path.quant == "fused") == (fused and not gemv)
+    counters = triton_fp8.workspace(DEV, Scheme(scheme), act, 160, 1024, False, table)
+    y = triton_fp8.linear(x, Weights(w_q, w_s, b, counters), path)
     assert y.dtype == x.dtype and y.shape == (m, 160)
     ref = _exact(*_quantized_x(x, act), act, w_q, w_s, scheme, b)
     assert nu.rel_diff(y.cpu().float(), ref) < 1e-4
     tickets = -(-160 // 16)
+    if act == "group" and not few and not fused_max_n:   # no M <= 16 runs the decode kernel
+        assert counters is None
+        return
+    assert counters.numel() == (tickets + td.MAX_M * 160 if few and act == "token" else tickets)
     assert int(counters[:tickets].abs().sum()) == 0
-    assert counters.numel() == (tickets + td.MAX_M * 160 if few else tickets)
     assert bool((counters[tickets:] == td.EMPTY).all())
 
 

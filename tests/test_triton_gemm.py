@@ -16,12 +16,14 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from fp8now import numerics as nu  # noqa: E402
-from fp8now.kernels import triton_gemm as tg  # noqa: E402
+from fp8now.kernels import triton_jit as tj, triton_splitk as tk, triton_w8a16 as tw  # noqa: E402
+from fp8now.kernels.triton_block import block_gemm  # noqa: E402
+from fp8now.kernels.triton_rowwise import rowwise_gemm  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = [
     pytest.mark.triton,
-    pytest.mark.skipif(tg.available(DEV) is not None, reason=f"Triton FP8 kernels: {tg.available(DEV)}"),
+    pytest.mark.skipif(tj.available(DEV) is not None, reason=f"Triton FP8 kernels: {tj.available(DEV)}"),
 ]
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -99,7 +101,7 @@ def test_varied_data_exposes_misindexed_scales():
 ])
 def test_block_gemm(m, n, k, bias, dtype, config):
     x_q, x_s, w_q, w_s, b, ref = _block_operands(m, n, k, 1 + m + n + k, bias)
-    y = tg.block_gemm(x_q, x_s, w_q, w_s, b, out_dtype=dtype, config=config)
+    y = block_gemm(x_q, x_s, w_q, w_s, b, out_dtype=dtype, config=config)
     assert y.dtype == dtype
     _check(y, ref)
 
@@ -109,8 +111,8 @@ def test_block_gemm_column_major_scales():
     x_s_cm = torch.empty((x_s.shape[1], x_s.shape[0]), dtype=torch.float32, device=DEV).t()
     x_s_cm.copy_(x_s)
     assert x_s_cm.stride() == (1, x_s.shape[0])
-    y_rm = tg.block_gemm(x_q, x_s, w_q, w_s, b, config=SMALL)
-    y_cm = tg.block_gemm(x_q, x_s_cm, w_q, w_s, b, config=SMALL)
+    y_rm = block_gemm(x_q, x_s, w_q, w_s, b, config=SMALL)
+    y_cm = block_gemm(x_q, x_s_cm, w_q, w_s, b, config=SMALL)
     assert torch.equal(y_rm, y_cm)
     _check(y_cm, ref)
 
@@ -118,16 +120,16 @@ def test_block_gemm_column_major_scales():
 def test_block_gemm_rejects_bad_inputs():
     x_q, x_s, w_q, w_s, _, _ = _block_operands(3, 64, 256, 3, False)
     with pytest.raises(ValueError, match="BLOCK_K"):
-        tg.block_gemm(x_q, x_s, w_q, w_s, config=dict(BLOCK_K=64))
+        block_gemm(x_q, x_s, w_q, w_s, config=dict(BLOCK_K=64))
     with pytest.raises(ValueError, match="x_s"):
-        tg.block_gemm(x_q, x_s[:, :1], w_q, w_s)
+        block_gemm(x_q, x_s[:, :1], w_q, w_s)
     with pytest.raises(ValueError, match="unknown config"):
-        tg.block_gemm(x_q, x_s, w_q, w_s, config=dict(BLOCK=64))
+        block_gemm(x_q, x_s, w_q, w_s, config=dict(BLOCK=64))
     for bad in (-1, "2", 2.0):
         with pytest.raises(ValueError, match="SPLIT_K"):
-            tg.block_gemm(x_q, x_s, w_q, w_s, config=dict(SPLIT_K=bad))
+            block_gemm(x_q, x_s, w_q, w_s, config=dict(SPLIT_K=bad))
     with pytest.raises(TypeError):
-        tg.block_gemm(x_q.float(), x_s, w_q, w_s)
+        block_gemm(x_q.float(), x_s, w_q, w_s)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -149,7 +151,7 @@ def test_rowwise_gemm(m, n, k, act, wscheme, bias, dtype):
     x_q, x_s = nu.quantize_activation(x, act)
     w_q, w_s = nu.quantize_weight(w, wscheme)
     ref = _ref(x_q, x_s, TOKEN if act == "token" else (-1, -1), w_q, w_s, W_GROUP[wscheme], b)
-    y = tg.rowwise_gemm(x_q.to(DEV), x_s.to(DEV), w_q.to(DEV), w_s.to(DEV),
+    y = rowwise_gemm(x_q.to(DEV), x_s.to(DEV), w_q.to(DEV), w_s.to(DEV),
                         None if b is None else b.to(DEV), out_dtype=dtype)
     assert y.dtype == dtype
     _check(y, ref)
@@ -179,7 +181,7 @@ def test_batch_invariant(kind):
 
     def run(batch):
         x_q, x_s = (t.to(DEV) for t in nu.quantize_activation(batch, "group" if kind == "block" else "token"))
-        gemm = tg.block_gemm if kind == "block" else tg.rowwise_gemm
+        gemm = block_gemm if kind == "block" else rowwise_gemm
         return gemm(x_q, x_s, w_q, w_s, out_dtype=BF16, batch_invariant=True)
 
     outs = {}
@@ -217,7 +219,7 @@ def test_split_k_matches_reference(kind, split, bias):
     act = GROUP if kind == "block" else TOKEN
     x_q, x_s = nu.quantize_activation(x, "group" if kind == "block" else "token")
     ref = _ref(x_q, x_s, act, w_q, w_s, W_GROUP[scheme], b)
-    gemm = tg.block_gemm if kind == "block" else tg.rowwise_gemm
+    gemm = block_gemm if kind == "block" else rowwise_gemm
     args = [t.to(DEV) for t in (x_q, x_s, w_q, w_s)] + [None if b is None else b.to(DEV)]
     y32 = gemm(*args, out_dtype=FP32, config=dict(SPLIT_K=split))
     assert nu.rel_diff(y32.cpu(), ref) < 1e-6
@@ -228,17 +230,18 @@ def test_split_k_matches_reference(kind, split, bias):
     _check(y, ref)
 
 
-def test_split_k_auto_choice(monkeypatch):
-    """Auto split: about four programs per SM, each split >= SPLIT_MIN_K (an H200's 132 SMs)."""
-    monkeypatch.setattr(tg, "_sm_count", lambda device: 132)
-    cfg, cuda = dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=0), torch.device("cuda")
-    assert tg._split_k(cfg, 1, 4096, 4096, cuda) == 5           # 128 tiles -> 528 programs
-    assert tg._split_k(cfg, 16, 4096, 14336, cuda) == 5
-    assert tg._split_k(cfg, 1, 28672, 4096, cuda) == 1          # 896 tiles are enough
-    assert tg._split_k(cfg, 1, 12288, 4096, cuda) == 2          # 384 tiles, two splits
-    assert tg._split_k(cfg, 1, 64, 1024, cuda) == 2             # capped by K // 512
-    assert tg._split_k(dict(cfg, SPLIT_K=7), 1, 64, 1024, cuda) == 7
-    assert tg._k_per_split(4096, 3, 128) == 1408 and tg._k_per_split(640, 5, 128) == 128
+def test_split_k_auto_choice():
+    """Auto split: about four programs per SM, each split >= SPLIT_MIN_K (an H200's 132 SMs; tiles of
+    16 x 32 outputs)."""
+    assert tk.auto_splits(4096 // 32, 4096, 132) == 5            # 128 tiles -> 528 programs
+    assert tk.auto_splits(4096 // 32, 14336, 132) == 5
+    assert tk.auto_splits(28672 // 32, 4096, 132) == 1           # 896 tiles are enough
+    assert tk.auto_splits(12288 // 32, 4096, 132) == 2           # 384 tiles, two splits
+    assert tk.auto_splits(64 // 32, 1024, 132) == 2              # capped by K // 512
+    cfg, cpu = dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=0), torch.device("cpu")   # the interpreter's SM count
+    assert tk.split_k(cfg, 1, 4096, 4096, cpu) == 1 + (4 * tk.INTERPRETER_SMS - 1) // 128
+    assert tk.split_k(dict(cfg, SPLIT_K=7), 1, 64, 1024, cpu) == 7
+    assert tk.k_per_split(4096, 3, 128) == 1408 and tk.k_per_split(640, 5, 128) == 128
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -259,7 +262,7 @@ def test_w8a16_gemm(m, n, k, scheme, bias, dtype):
     ref = x.double() @ nu.dequantize(w_q, w_s, W_GROUP[scheme]).double().T
     if b is not None:
         ref = ref + b.double()
-    y = tg.w8a16_gemm(x.to(DEV), w_q.to(DEV), w_s.to(DEV), W_GROUP[scheme],
+    y = tw.w8a16_gemm(x.to(DEV), w_q.to(DEV), w_s.to(DEV), W_GROUP[scheme],
                       None if b is None else b.to(DEV))
     assert y.dtype == dtype
     _check(y, ref)
@@ -269,7 +272,7 @@ def test_w8a16_refuses_channel():
     w_q, w_s = nu.quantize_weight(torch.randn(64, 128), "channel")
     x = torch.randn(2, 128).to(BF16)
     with pytest.raises(ValueError, match="channel"):
-        tg.w8a16_gemm(x.to(DEV), w_q.to(DEV), w_s.to(DEV), (1, -1))
+        tw.w8a16_gemm(x.to(DEV), w_q.to(DEV), w_s.to(DEV), (1, -1))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -277,7 +280,7 @@ def test_w8a16_refuses_channel():
 # ---------------------------------------------------------------------------------------------------
 
 def test_available():
-    assert tg.available(DEV) is None
-    assert tg.available_w8a16(DEV) is None
-    assert isinstance(tg.available("meta"), str)
-    assert isinstance(tg.available_w8a16("meta"), str)
+    assert tj.available(DEV) is None
+    assert tw.available_gemm(DEV) is None
+    assert isinstance(tj.available("meta"), str)
+    assert isinstance(tw.available_gemm("meta"), str)

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from fp8now import numerics  # noqa: E402
-from fp8now.kernels import triton_quant as tq  # noqa: E402
+from fp8now.kernels import triton_quant as tq, triton_wquant as tw  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -98,16 +98,21 @@ def make_act(M: int, K: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return x.to(dtype).to(DEVICE)
 
 
+def quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-tensor rule's kernels (amax, then quantize), as the weight `tensor` scheme runs them."""
+    return tw.quantize_weight(x.reshape(-1, x.shape[-1]), "tensor")
+
+
 def run_act(kind: str, x: torch.Tensor, **kw):
-    fn = {"token": tq.quantize_act_token, "group": tq.quantize_act_group, "tensor": tq.quantize_act_tensor}[kind]
+    fn = {"token": tq.quantize_act_token, "group": tq.quantize_act_group, "tensor": quantize_tensor}[kind]
     return fn(x, **kw)
 
 
 ACT_GROUP_RULE = {"token": ((1, -1), "row"), "group": ((1, 128), "group"), "tensor": ((-1, -1), "tensor")}
 
 
-def check_act(kind: str, x: torch.Tensor, max_frac: float = 0.05) -> None:
-    q, s = run_act(kind, x)
+def check_act(kind: str, x: torch.Tensor, max_frac: float = 0.05, quantize=None) -> None:
+    q, s = (quantize or (lambda t: run_act(kind, t)))(x)
     q_ref, s_ref = numerics.quantize_activation(x.cpu(), kind)
     assert s.dtype == torch.float32 and s.shape == s_ref.shape, (s.shape, s_ref.shape)
     assert torch.equal(s.cpu(), s_ref), f"{kind} scales differ"
@@ -167,14 +172,19 @@ def test_long_rows(kind):
 
 
 @pytest.mark.parametrize("many", [False, True], ids=["few-rows-one-tile", "many-rows-chunks"])
-def test_token_rows_between_the_limits(many, monkeypatch):
+def test_token_rows_between_the_limits(many):
     """_ROW_MAX_SINGLE < K <= _ROW_MAX_SINGLE_FEW_ROWS: few rows are held whole (one wide masked tile),
     many rows go through the two-pass loop in 2048-wide chunks (the row count that switches is
-    lowered here so that the interpreter stays quick)."""
-    monkeypatch.setattr(tq, "_FEW_ROWS", 3)
+    lowered to 3 here so that the interpreter stays quick)."""
     m, k = (3 if many else 2), tq._ROW_MAX_SINGLE + 300
-    assert tq._row_plan(m, k)[:2] == ((False, 2048) if many else (True, 16384))
-    check_act("token", make_act(m, k, torch.bfloat16, seed=8))
+    assert tq._row_plan(m, k, few_rows=3)[:2] == ((False, 2048) if many else (True, 16384))
+
+    def quantize(x):
+        q = torch.empty(x.shape, dtype=numerics.E4M3FN.dtype, device=x.device)
+        s = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+        tq.launch_row(x, q, s, numerics.E4M3FN, few_rows=3)
+        return q, s
+    check_act("token", make_act(m, k, torch.bfloat16, seed=8), quantize=quantize)
 
 
 @pytest.mark.parametrize("kind", ["token", "group", "tensor"])
@@ -244,7 +254,7 @@ def test_empty_batch():
     x = torch.empty(0, 256, dtype=torch.bfloat16, device=DEVICE)
     assert [t.shape for t in tq.quantize_act_token(x)] == [(0, 256), (0, 1)]
     assert [t.shape for t in tq.quantize_act_group(x)] == [(0, 256), (0, 2)]
-    q, s = tq.quantize_act_tensor(x)
+    q, s = quantize_tensor(x)
     floor = torch.tensor(numerics.E4M3FN.min_scale, dtype=torch.float32)
     assert q.shape == (0, 256) and s.shape == () and torch.equal(s.cpu(), floor)
 
@@ -253,9 +263,9 @@ def test_rejects_bad_input():
     with pytest.raises(TypeError):
         tq.quantize_act_token(torch.zeros(2, 8, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError):
-        tq.quantize_weight(torch.zeros(2, 2, 8, 8, device=DEVICE), "block")
+        tw.quantize_weight(torch.zeros(2, 2, 8, 8, device=DEVICE), "block")
     with pytest.raises(ValueError):
-        tq.quantize_weight(torch.zeros(8, 8, device=DEVICE), "nonsense")
+        tw.quantize_weight(torch.zeros(8, 8, device=DEVICE), "nonsense")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -279,7 +289,7 @@ WEIGHT_RULE = {"tensor": ((-1, -1), "tensor"), "channel": ((1, -1), "row"), "blo
 
 
 def check_weight(w: torch.Tensor, scheme: str, max_frac: float = 0.05) -> None:
-    q, s = tq.quantize_weight(w, scheme)
+    q, s = tw.quantize_weight(w, scheme)
     q_ref, s_ref = numerics.quantize_weight(w.cpu(), scheme)
     assert s.dtype == torch.float32 and s.shape == s_ref.shape, (s.shape, s_ref.shape)
     assert torch.equal(s.cpu(), s_ref), f"{scheme} weight scales differ"
@@ -315,16 +325,16 @@ def test_weight_strided_view():
 
 def test_weight_all_finite():
     w = make_weight((130, 260), torch.bfloat16, seed=6)
-    assert bool(tq.weight_all_finite(w))
+    assert bool(tw.weight_all_finite(w))
     for bad in (float("nan"), float("inf"), float("-inf")):
         v = w.clone()
         v[129, 259] = bad
-        flag = tq.weight_all_finite(v)
+        flag = tw.weight_all_finite(v)
         assert flag.dtype == torch.bool and flag.shape == () and not bool(flag)
     e = make_weight((2, 64, 96), torch.float16, seed=8)
-    assert bool(tq.weight_all_finite(e))
+    assert bool(tw.weight_all_finite(e))
     e[1, 3, 4] = float("nan")
-    assert not bool(tq.weight_all_finite(e))
+    assert not bool(tw.weight_all_finite(e))
 
 
 def test_available():

@@ -47,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
 
     ins = sub.add_parser("inspect", parents=[common], help="load in FP8 and print the load report")
     ins.add_argument("--scheme", default="channel", help=scheme_help + " (default: channel)")
+    ins.add_argument("--json", action="store_true", help="print the load report as one JSON object")
     return p
 
 
@@ -92,8 +93,12 @@ def _load(args, measure_error: bool = True):
 
 def cmd_inspect(args) -> int:
     key, model_dir, _, report = _load(args)
+    if args.json:
+        print(json.dumps(_finite(report.to_dict()), allow_nan=False))
+        return 0
     print(f"{model_dir} as FP8 ({key})")
     print(report.format_table())
+    print("\n".join(report.plan_lines()))
     return 0
 
 

@@ -9,9 +9,11 @@ from torch import nn
 
 from . import decode_graphs
 from .config import Fp8Config, Scheme
-from .kernels import backend_module, pick_backend, quantize_weight, split_counters
+from .kernels import backend_module, device_class, pick_backend, quantize_weight, workspace
+from .kernels.plan import Path, Table, Weights, plan
 from .numerics import E4M3FN
 
+_PATHS_KEPT = 512   # distinct M whose planned path a layer remembers (eager calls)
 _QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.int8,
                      torch.uint8, torch.int32, torch.int16)
 
@@ -66,6 +68,9 @@ class Fp8Linear(nn.Module):
         self.name = name
         self.backend: str | None = None
         self._impl = None
+        self._device_class = "cpu"
+        self._paths: dict[int, Path] = {}   # eager calls: the plan by M
+        self.plan_table: Table | None = None   # None: the device class's (kernels.plan.TABLES); see use_table
         shape = weight_scale_shape(self.scheme, out_features, in_features)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=E4M3FN.dtype,
                                                device=device), requires_grad=False)
@@ -73,9 +78,9 @@ class Fp8Linear(nn.Module):
                                          requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
                                   requires_grad=False) if bias else None)
-        # Scratch of the triton backend's decode kernel (zero between calls; not saved).
-        # One per layer: the same layer must not run on two streams at once.
-        self.register_buffer("split_counters", None, persistent=False)
+        # Scratch of the backend's calls (its `workspace` hook; e.g. the decode kernel's counters, back to
+        # their start values after every call; not saved). The same layer must not run on two streams at once.
+        self.register_buffer("workspace", None, persistent=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: Fp8Config | None = None, name: str = ""
@@ -124,12 +129,27 @@ class Fp8Linear(nn.Module):
         self.backend = pick_backend(self.weight.device, self.scheme, self.act_kind, self.out_features,
                                     self.in_features, self.forced_backend, self.batch_invariant)
         self._impl = backend_module(self.backend)
-        self.split_counters = (split_counters(self.out_features, self.weight.device)
-                               if self.backend == "triton" else None)
-        self._graph_rows = (decode_graphs.max_rows(self.out_features, self.in_features)
-                            if self.backend == "triton" and self.use_decode_graphs else 0)
+        self._device_class = device_class(self.weight.device)
+        self._paths = {}
+        self.workspace = workspace(self.backend, self.weight.device, self.scheme, self.act_kind,
+                                   self.out_features, self.in_features, self.batch_invariant, self.plan_table)
+        graphed = getattr(self._impl, "GRAPHED", False) and self.use_decode_graphs
+        self._graph_rows = decode_graphs.max_rows(self.out_features, self.in_features) if graphed else 0
         self._graphs = decode_graphs.DecodeGraphs() if self._graph_rows else None
         return self.backend
+
+    def path(self, m: int, compiling: bool = False) -> Path:
+        """The kernel path of a call with `m` tokens (`kernels.plan.plan` for this layer)."""
+        if self.backend is None:
+            raise RuntimeError(f"Fp8Linear {self.name or ''} has no weight yet: call load_(w) first")
+        return plan(self.backend, self.scheme, self.act_kind, m, self.out_features, self.in_features,
+                    self._device_class, self.batch_invariant, compiling, self.plan_table)
+
+    def use_table(self, table: Table | None) -> None:
+        """Plan this layer's calls from `table` (None: the device class's), e.g. to test or tune a path."""
+        self.plan_table = table
+        if self.backend is not None:
+            self.pick_backend()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._impl is None:
@@ -142,14 +162,23 @@ class Fp8Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _launch(self, x2: torch.Tensor) -> torch.Tensor:
-        """The backend's linear on x2 [M, K] -> [M, N]."""
-        return self._impl.linear(x2, self.weight, self.weight_scale, self.bias, self.scheme, self.act_kind,
-                                 self.batch_invariant, self.split_counters)
+        """The backend's linear on x2 [M, K] -> [M, N], along this call's planned path."""
+        m = x2.shape[0]
+        if torch.compiler.is_compiling():
+            path = self.path(m, compiling=True)
+        else:
+            path = self._paths.get(m)
+            if path is None:
+                path = self.path(m)
+                if len(self._paths) < _PATHS_KEPT:
+                    self._paths[m] = path
+        return self._impl.linear(x2, Weights(self.weight, self.weight_scale, self.bias, self.workspace), path)
 
     def _addresses(self) -> tuple[int, ...]:
         """Where the tensors a captured call reads live (a graph is valid while these stay)."""
         return (self.weight.data_ptr(), self.weight_scale.data_ptr(),
-                0 if self.bias is None else self.bias.data_ptr(), self.split_counters.data_ptr())
+                0 if self.bias is None else self.bias.data_ptr(),
+                0 if self.workspace is None else self.workspace.data_ptr())
 
     def _apply(self, fn, recurse=True):
         """`.to(dtype)` / `.half()` must not touch the FP8 weight or its float32 scale: move them only."""

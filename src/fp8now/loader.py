@@ -18,7 +18,7 @@ from .checkpoint import ST_DTYPES, checkpoint_files, corrupt_error, index_map, s
 from .hf import (Slot, build_skeleton, keep_fp32_names, model_slots, resolve_name, set_submodule, swap_linears,
                  target_linears)
 from .linear import Fp8Linear, check_float_weight
-from .report import LayerRow, LoadReport, peak_host_rss_bytes, tensor_bytes, weight_error
+from .report import LayerRow, LoadReport, peak_host_rss_bytes, plan_names, tensor_bytes, weight_error
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -108,7 +108,7 @@ def _quantize_layer(layer: Fp8Linear, parts: dict[str, tuple[torch.Tensor, Path,
     if measure:
         sqnr, rel = weight_error(w, layer.weight, layer.weight_scale, layer.scheme)
     return LayerRow(layer.name, layer.scheme.value, layer.backend or "?", layer.out_features,
-                    layer.in_features, b is not None, sqnr, rel)
+                    layer.in_features, b is not None, sqnr, rel, plan=plan_names(layer))
 
 
 def _materialize(slot: Slot, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
@@ -273,7 +273,7 @@ def quantize_(model: nn.Module, config: Fp8Config | None = None, *,
         if measure_error:
             sqnr, rel = weight_error(w, layer.weight, layer.weight_scale, layer.scheme)
         rows.append(LayerRow(name, layer.scheme.value, layer.backend or "?", layer.out_features,
-                             layer.in_features, layer.bias is not None, sqnr, rel))
+                             layer.in_features, layer.bias is not None, sqnr, rel, plan=plan_names(layer)))
         set_submodule(model, name, layer)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1),
                  torch.bfloat16)

@@ -13,11 +13,13 @@ from .config import WEIGHT_GROUP, Scheme
 from .numerics import dequantize
 
 _STATS_CHUNK_BYTES = 4 << 20  # float32 bytes per chunk when measuring the weight error
+PLAN_TOKENS = (1, 16, 4096)   # tokens per call at which the report names each layer's kernel path
 
 
 @dataclass
 class LayerRow:
-    """One quantized layer: `sqnr_db` / `rel_diff` compare the dequantized FP8 weight with the float one."""
+    """One quantized layer: `sqnr_db` / `rel_diff` compare the dequantized FP8 weight with the float one;
+    `plan` maps tokens per call ("1", "16", "4096") to the kernel path a call of that size runs."""
 
     name: str
     scheme: str
@@ -27,6 +29,7 @@ class LayerRow:
     bias: bool
     sqnr_db: float | None
     rel_diff: float | None
+    plan: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -88,6 +91,17 @@ class LoadReport:
                 f"{_mib(self.model_bytes)} on {self.device}",
                 f"time {self.load_s:.2f} s; peak device memory {peak}; peak host RSS "
                 f"{_mib(self.peak_host_rss_bytes)} (process-wide maximum since start)"]
+
+    def plan_lines(self) -> list[str]:
+        """The kernel path at 1, 16 and 4096 tokens per call, once per distinct set of paths."""
+        groups: dict[tuple, list[str]] = {}
+        for r in self.layers:
+            groups.setdefault(tuple(r.plan.items()), []).append(r.name)
+        lines = ["kernel plans (tokens per call: path)"]
+        for plan, names in groups.items():
+            lines.append(f"  {len(names)} layers ({names[0]}{', ...' if len(names) > 1 else ''}):")
+            lines += [f"    {tokens}: {path}" for tokens, path in plan]
+        return lines
 
     def to_dict(self) -> dict:
         """JSON-able; infinite SQNR (an exact weight) becomes None."""
@@ -163,6 +177,11 @@ def weight_error(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: 
     if noise == 0.0:
         return math.inf, rel
     return (10.0 * math.log10(aa / noise) if aa > 0 else -math.inf), rel
+
+
+def plan_names(layer) -> dict[str, str]:
+    """An Fp8Linear's kernel path name at each of PLAN_TOKENS tokens per call."""
+    return {str(m): layer.path(m).name for m in PLAN_TOKENS}
 
 
 def peak_host_rss_bytes() -> int:

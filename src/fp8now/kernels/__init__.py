@@ -1,9 +1,14 @@
-"""Backend dispatch: one explicit table picks a backend per (device class, scheme).
+"""Backend dispatch: one explicit table picks a backend per (device class, scheme); `plan.plan` then
+picks each call's path.
 
-A backend is a module with `available(device, scheme, act_kind, n, k, batch_invariant) -> str | None`
-(None, or the reason it cannot run) and `linear(x, w_q, w_scale, bias, scheme, act_kind,
-batch_invariant, counters) -> y`. Nothing falls back silently: the choice is stored on the layer and
-reported.
+A backend is one module (named in MODULES, listed in TABLE, planned in `plan.PLANNERS`) with
+- `available(device, scheme, act_kind, n, k, batch_invariant) -> str | None`: None, or why it cannot run;
+- `linear(x, weights: plan.Weights, path: plan.Path) -> y`: runs the path `plan.plan` chose;
+- optionally `workspace(device, scheme, act_kind, n, k, batch_invariant, table) -> Tensor | None`: the
+  scratch its calls along the plans of `table` (a `plan.Table`; None: the device class's) need,
+  allocated once per layer (`Weights.workspace`);
+- optionally `GRAPHED = True`: its small-M calls are host-bound launches worth replaying from CUDA graphs.
+Nothing falls back silently: the choice is stored on the layer and reported.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ TABLE: dict[tuple[str, Scheme], tuple[str, ...]] = {
     ("cuda", Scheme.TENSOR): ("triton-w8a16", "reference"),
     ("cuda", Scheme.CHANNEL): ("reference",),
     ("cuda", Scheme.BLOCK): ("triton-w8a16", "reference"),
-    # CPU: the exact reference beats CPU _scaled_mm (~0.37x of a bf16 matmul) and is batch-invariant.
+    # CPU: the exact reference beats CPU _scaled_mm (BENCHMARKS.md) and is batch-invariant.
     ("cpu", Scheme.TENSOR): ("reference", "torch"),
     ("cpu", Scheme.CHANNEL): ("reference", "torch"),
     ("cpu", Scheme.BLOCK): ("reference",),
@@ -83,21 +88,11 @@ def pick_backend(device: torch.device | str, scheme: Scheme, act_kind: str, n: i
                        + ". Choose another backend= or scheme, or ignore this layer.")
 
 
-def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-               scheme: Scheme, act_kind: str, backend: str, batch_invariant: bool = False,
-               counters: torch.Tensor | None = None) -> torch.Tensor:
-    """y [M, N] from x [M, K] through the named backend (quantizing x dynamically); `counters`:
-    the layer's zeroed int32 split-K counters (`split_counters`), used by `triton`."""
-    return backend_module(backend).linear(x, w_q, w_scale, bias, scheme, act_kind, batch_invariant,
-                                          counters)
-
-
-def split_counters(n: int, device: torch.device | str) -> torch.Tensor:
-    """The decode kernel's int32 workspace for an `[N, K]` weight, any M <= 16 call: per-tile split-K
-    counters (zeroed; tiles of >= 16 columns), and where the dispatch adds two K splits by exchange,
-    the exchange slots (`triton_fp8.decode_workspace`). A layer keeps one for its life."""
-    from . import triton_fp8
-    return triton_fp8.decode_workspace(n, device)
+def workspace(backend: str, device: torch.device | str, scheme: Scheme, act_kind: str, n: int, k: int,
+              batch_invariant: bool = False, table=None) -> torch.Tensor | None:
+    """The scratch a layer `[N, K]` keeps for `backend`'s calls (its `workspace` hook), or None."""
+    hook = getattr(backend_module(backend), "workspace", None)
+    return None if hook is None else hook(torch.device(device), scheme, act_kind, n, k, batch_invariant, table)
 
 
 def quantize_weight(w: torch.Tensor, scheme: Scheme, name: str | None = None
@@ -105,12 +100,9 @@ def quantize_weight(w: torch.Tensor, scheme: Scheme, name: str | None = None
     """Weight quantization at load: the Triton kernel on FP8-capable GPUs (memory speed, same bytes
     as `numerics.quantize_weight`), the chunked torch implementation elsewhere."""
     if w.device.type == "cuda" and device_class(w.device) == "cuda-fp8":
-        try:
-            from . import triton_quant
-        except ImportError:
-            triton_quant = None
-        if triton_quant is not None and triton_quant.available(w.device) is None:
-            if not bool(triton_quant.weight_all_finite(w)):  # one sync per layer, at load only
+        from . import triton_quant, triton_wquant   # importable without triton (`available` then says why)
+        if triton_quant.available(w.device) is None:
+            if not bool(triton_wquant.weight_all_finite(w)):  # one sync per layer, at load only
                 raise numerics.nonfinite_error(tuple(w.shape), name)
-            return triton_quant.quantize_weight(w, scheme.value)
+            return triton_wquant.quantize_weight(w, scheme.value)
     return numerics.quantize_weight(w, scheme, name=name)

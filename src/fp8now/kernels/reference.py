@@ -11,6 +11,7 @@ import torch
 
 from ..config import WEIGHT_GROUP, Scheme
 from ..numerics import quantize_activation
+from .plan import Path, Weights
 
 _TEMP_BYTES = 64 << 20  # float64 weight temporary per output-row chunk
 
@@ -56,13 +57,11 @@ def exact_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
     return out
 
 
-def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-           scheme: Scheme, act_kind: str, batch_invariant: bool = False,
-           counters: torch.Tensor | None = None) -> torch.Tensor:
-    """y [M, N] = quantize(x [M, K]) @ W.T + bias, computed exactly then rounded to float32, then
-    x.dtype (`counters`: unused here)."""
-    x_q, x_scale = quantize_activation(x, act_kind)
-    y = exact_matmul(x_q, x_scale, w_q, w_scale, scheme).float()
+def linear(x: torch.Tensor, weights: Weights, path: Path) -> torch.Tensor:
+    """y [M, N] = quantize(x [M, K]) @ W.T + bias, computed exactly then rounded to float32, then x.dtype."""
+    w_q, w_scale, bias, _ = weights
+    x_q, x_scale = quantize_activation(x, path.act)
+    y = exact_matmul(x_q, x_scale, w_q, w_scale, path.scheme).float()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from ..config import Scheme
 from ..numerics import quantize_activation
+from .plan import Path, Weights, blockwise_unfit
 
 
 @functools.cache
@@ -49,19 +50,6 @@ def available(device: torch.device, scheme: Scheme, act_kind: str, n: int, k: in
         if cap[0] != 9:
             return "blockwise scaled_mm (1x128 x 128x128) runs on sm_90 only"
         return blockwise_unfit(k)
-    return None
-
-
-def blockwise_unfit(k: int) -> str | None:
-    """None if cuBLAS blockwise scaling takes this K, else why not: the weight scale's leading
-    dimension K/128 must be a multiple of 4 (16-byte aligned) or cuBLAS answers NOT_SUPPORTED.
-
-    (Checked on the H200, torch 2.11 + cu130, against the float64 product at K = 1536 to 28672 and
-    several patterns of row and tile magnitudes. An earlier "wrong at K = 7168 / 14336" finding came
-    from the reference product itself, which mis-aligned weight-tile scales; BENCHMARKS.md.)
-    """
-    if k % 512:
-        return f"blockwise scaled_mm needs K divisible by 512 (K={k}): cuBLAS wants K/128 scales 16-byte aligned"
     return None
 
 
@@ -108,11 +96,10 @@ def blockwise_mm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_
     return y.to(out_dtype)
 
 
-def linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-           scheme: Scheme, act_kind: str, batch_invariant: bool = False,
-           counters: torch.Tensor | None = None) -> torch.Tensor:
-    """y [M, N] = quantize(x [M, K]) @ W.T + bias in x.dtype. (`counters`: unused here.)"""
-    x_q, x_scale = quantize_activation(x, act_kind)
-    if scheme is Scheme.BLOCK:
+def linear(x: torch.Tensor, weights: Weights, path: Path) -> torch.Tensor:
+    """y [M, N] = quantize(x [M, K]) @ W.T + bias in x.dtype."""
+    w_q, w_scale, bias, _ = weights
+    x_q, x_scale = quantize_activation(x, path.act)
+    if path.scheme is Scheme.BLOCK:
         return blockwise_mm(x_q, x_scale, w_q, w_scale, bias, x.dtype)
     return rowwise_mm(x_q, x_scale, w_q, w_scale, bias, x.dtype)

@@ -7,9 +7,8 @@ kernel launch:
   (IEEE division, clamp, round-to-nearest-even cast), so the FP8 operands are exactly those of
   `numerics.quantize_activation`; per 1x128 group a program needs only its own K slice, per token it
   first reads its rows over all of K for the amax (cheap for a few short rows: the dispatch in
-  `triton_fp8` decides where). A pre-quantized `(x_q, x_s)` is also accepted. Measured on the H200
-  (BENCHMARKS.md): in-kernel quantization pays only for one row of 1x128 groups (block, M = 1, up to
-  N = 8192); per token, and for more rows, the Triton quantizer first is faster.
+  `kernels.plan` decides where). A pre-quantized `(x_q, x_s)` is also accepted. In-kernel quantization
+  pays only for one row of 1x128 groups (every program re-reads its rows; BENCHMARKS.md).
 - K is split over SPLITS programs per output tile. Each writes its float32 partial to a workspace,
   then takes a ticket from a per-tile counter (atomic add, acquire-release); the program that draws
   the last ticket adds the SPLITS partials in the fixed order 0..SPLITS-1 (deterministic whatever the
@@ -18,11 +17,10 @@ kernel launch:
   exchanges (`_exchange`): each element's partial sum travels through one atomic exchange per level, so
   there is no workspace store, fence, ticket or re-read on the last program's path. Deterministic,
   because a + b == b + a in float32 whichever of a pair arrives second. Each level costs a round trip
-  and M x BLOCK_N atomics per tile, so it pays at two splits on few tiles (H200: 1.02-1.06x faster at
-  N = 4096-8192, M = 2-16; slower than the ticket at 8 splits and from N = 28672; `triton_fp8`).
+  and M x BLOCK_N atomics per tile, so it pays at two splits on few tiles (`plan.Table.few_splits_n`).
 
 The counters are an int32 tensor that must be zero before the launch and is zero again after it: the
-caller keeps one per layer (`fp8now.kernels.split_counters(N, device)`; `Fp8Linear` owns it). Two
+caller keeps one per layer (`ticket_counters(N, device)`; `Fp8Linear` owns it as its workspace). Two
 launches sharing a counter tensor must not run at the same time (e.g. the same layer on two streams at
 once); without one, a zeroed tensor is allocated per call.
 No host synchronization anywhere: the wrapper captures in CUDA graphs.
@@ -31,24 +29,18 @@ No host synchronization anywhere: the wrapper captures in CUDA graphs.
 import torch
 
 from ..numerics import E4M3FN, GROUP_AMAX_FLOOR
-from . import triton_gemm as tg
-from .triton_quant import _abs_bits, _as_f32, _to_fp8
-from .triton_support import memo, sm90
-
-try:
-    import triton
-    import triton.language as tl
-    from triton.language.extra.cuda import gdc_wait
-except ImportError:  # triton_gemm's stand-ins keep the definitions parseable; available() says why
-    triton, tl = tg.triton, tg.tl
-    gdc_wait = None
+from . import triton_jit as tj
+from .plan import DECODE_MAX_M
+from .triton_jit import abs_bits, as_f32, to_fp8
+from .triton_splitk import split_sizes, split_workspace
+from .triton_support import gdc_wait, memo, require_triton, sm90, tl, triton
 
 ACTS = ("token", "group")
 W_KINDS = ("tensor", "channel", "block")
 # Decode tile: 16 rows (every M <= 16 in one row tile), 64 columns (the H200 decode sweep's winner for
 # the split-K GEMMs, benchmarks/tune_decode.py), 4 warps, 4 stages; K split as for the split-K GEMMs.
 DECODE_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=0)
-MAX_M = 16
+MAX_M = DECODE_MAX_M   # one row tile of BLOCK_M rows
 # the exchange slots' empty value: a NaN bit pattern no float32 sum produces (GPUs write the canonical
 # NaN 0x7FFFFFFF; this one has the sign bit set and another payload)
 EMPTY = -0x00452453  # 0xFFBADBAD as int32
@@ -57,7 +49,7 @@ EMPTY = -0x00452453  # 0xFFBADBAD as int32
 @triton.jit
 def _quantize_block(xf, s, FMAX: tl.constexpr, w_ptr):
     """fp8(clamp(xf / s)) with IEEE division (xf float32 [R, BK], s [R]); w_ptr gives the fp8 type."""
-    return _to_fp8(tl.math.div_rn(xf, s[:, None]), w_ptr, FMAX)
+    return to_fp8(tl.math.div_rn(xf, s[:, None]), w_ptr, FMAX)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -96,8 +88,8 @@ def _decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr
             bits = tl.zeros((ROWS, BLOCK_K), dtype=tl.int32)
             for k0 in range(0, K, BLOCK_K):
                 xk = tl.load(xq_rows + (k0 + offs_k)[None, :], mask=(k0 + offs_k)[None, :] < K, other=0.0)
-                bits = tl.maximum(bits, _abs_bits(xk))
-            amax = _as_f32(tl.max(bits, axis=1))
+                bits = tl.maximum(bits, abs_bits(xk))
+            amax = as_f32(tl.max(bits, axis=1))
             s_q = tl.maximum(tl.math.div_rn(amax, FMAX), TOKEN_FLOOR, propagate_nan=tl.PropagateNan.ALL)
     s_row = tl.broadcast_to(s_q, (BLOCK_M,))
     if not ACT_GROUP and not QUANT_X:
@@ -116,7 +108,7 @@ def _decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr
             x_next = tl.load(xq_rows + (kk + BLOCK_K)[None, :], mask=(kk + BLOCK_K)[None, :] < k_end,
                              other=0.0)
             if ACT_GROUP:  # this K-block is one 1x128 group: its scale, then the block product
-                amax = _as_f32(tl.max(_abs_bits(xf), axis=1))
+                amax = as_f32(tl.max(abs_bits(xf), axis=1))
                 sg = tl.math.div_rn(tl.maximum(amax, GROUP_FLOOR, propagate_nan=tl.PropagateNan.ALL), FMAX)
                 a = tl.broadcast_to(_quantize_block(xf, sg, FMAX, w_ptr), (BLOCK_M, BLOCK_K))
                 sa = tl.broadcast_to(sg, (BLOCK_M,))
@@ -132,7 +124,7 @@ def _decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr
         if ACT_GROUP:  # block weights: one scale per (128-row tile, K-block); BLOCK_N divides 128
             sb = tl.load(ws_ptr + ((pid_n * BLOCK_N) // 128) * stride_wsn + (k0 // 128) * stride_wsk)
             acc += tl.dot(a, b) * (sa * sb)[:, None]
-        else:  # keep every K-block's product apart from the MMA's own accumulator (see triton_gemm)
+        else:  # keep every K-block's product apart from the MMA's own accumulator (see triton_rowwise)
             acc += tl.dot(a, b) * tl.cast(one, tl.float32)
     if LEVELS > 0:  # the splits meet in a fixed binary tree of pairwise exchanges (see _exchange)
         acc, live = _exchange(acc, part_ptr, offs_m, offs_n, M, N, SPLITS, LEVELS, EMPTY)
@@ -191,13 +183,13 @@ def _epilogue(acc, s_row, ws_ptr, b_ptr, y_ptr, offs_m, offs_n, rn, M, N, stride
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-_CHECKED_CONFIG = tg._merge_config(DECODE_CONFIG, None, block_k=tg.SCALE_BLOCK)
+_CHECKED_CONFIG = tj.merge_config(DECODE_CONFIG, None, block_k=tj.SCALE_BLOCK)
 
 
 def _plan(cfg: dict, m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int]:
     """(K per split, splits, output tiles) of a launch."""
-    k_split, splits = tg._split_sizes(cfg, m, n, k, device)
-    return k_split, splits, tg._cdiv(m, cfg["BLOCK_M"]) * tg._cdiv(n, cfg["BLOCK_N"])
+    k_split, splits = split_sizes(cfg, m, n, k, device)
+    return k_split, splits, tj.cdiv(m, cfg["BLOCK_M"]) * tj.cdiv(n, cfg["BLOCK_N"])
 
 
 @memo(maxsize=1024)
@@ -208,7 +200,7 @@ def _default_plan(m: int, n: int, k: int, device: torch.device) -> tuple[int, in
 @memo(maxsize=64)
 def _config_of(items: tuple) -> dict:
     """DECODE_CONFIG updated by a config's sorted items, checked (once per distinct config)."""
-    return tg._merge_config(DECODE_CONFIG, dict(items), block_k=tg.SCALE_BLOCK)
+    return tj.merge_config(DECODE_CONFIG, dict(items), block_k=tj.SCALE_BLOCK)
 
 
 @memo(maxsize=1024)
@@ -234,19 +226,19 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
     `slots` (from `exchange_slots`): add the K splits by pairwise exchanges (`_exchange`) instead of the
     ticket; the number of splits must then be a power of two.
     """
-    tg._require_triton()
+    require_triton()
     if act not in ACTS or w_kind not in W_KINDS or (act == "group") != (w_kind == "block"):
         raise ValueError(f"decode_linear pairs act 'token' with w_kind 'tensor'/'channel' and act 'group' "
                          f"with w_kind 'block'; got act={act!r}, w_kind={w_kind!r}")
-    if w_q.dim() != 2 or w_q.dtype != tg.FP8_DTYPE:
-        raise ValueError(f"w_q must be a 2-D {tg.FP8_DTYPE} tensor, got {w_q.dtype} {tuple(w_q.shape)}")
+    if w_q.dim() != 2 or w_q.dtype != tj.FP8_DTYPE:
+        raise ValueError(f"w_q must be a 2-D {tj.FP8_DTYPE} tensor, got {w_q.dtype} {tuple(w_q.shape)}")
     N, K = w_q.shape
     quant_x = x_scale is None
     if quant_x:
-        x2 = tg._flatten_act(x, K)
+        x2 = tj.flatten_act(x, K)
     else:
-        if x.dtype != tg.FP8_DTYPE or x.dim() != 2 or x.shape[1] != K:
-            raise ValueError(f"a pre-quantized x must be [M, {K}] {tg.FP8_DTYPE}, got {x.dtype} "
+        if x.dtype != tj.FP8_DTYPE or x.dim() != 2 or x.shape[1] != K:
+            raise ValueError(f"a pre-quantized x must be [M, {K}] {tj.FP8_DTYPE}, got {x.dtype} "
                              f"{tuple(x.shape)}")
         x2 = x
     M = x2.shape[0]
@@ -259,20 +251,20 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
     if quant_x:
         sxm = sxk = 0
     elif act == "token":
-        sxm, sxk = tg._vector_scale(x_scale, M, "x_scale", x2.device), 0
+        sxm, sxk = tj.vector_scale(x_scale, M, "x_scale", x2.device), 0
     else:
-        tg._check_block_scale(x_scale, M, K, "x_scale", x2.device, 1)
+        tj.check_block_scale(x_scale, M, K, "x_scale", x2.device, 1)
         sxm, sxk = x_scale.stride(0), x_scale.stride(1)
     if w_kind == "block":
-        tg._check_block_scale(w_s, N, K, "w_s", w_q.device, tg.SCALE_BLOCK)
+        tj.check_block_scale(w_s, N, K, "w_s", w_q.device, tj.SCALE_BLOCK)
         swn, swk = w_s.stride(0), w_s.stride(1)
-        if K % tg.SCALE_BLOCK:
-            raise ValueError(f"block decode needs K divisible by {tg.SCALE_BLOCK}, got K={K}")
+        if K % tj.SCALE_BLOCK:
+            raise ValueError(f"block decode needs K divisible by {tj.SCALE_BLOCK}, got K={K}")
     else:
-        swn, swk = tg._vector_scale(w_s, N, "w_s", w_q.device), 0
-    bias = tg._check_bias(bias, N, w_q.device)
+        swn, swk = tj.vector_scale(w_s, N, "w_s", w_q.device), 0
+    bias = tj.check_bias(bias, N, w_q.device)
     out_dtype = (x2.dtype if quant_x else torch.bfloat16) if out_dtype is None else out_dtype
-    tg._check_out_dtype(out_dtype)
+    tj.check_out_dtype(out_dtype)
     items = None if config is None else tuple(sorted(config.items()))
     cfg = _CHECKED_CONFIG if items is None else _config_of(items)
     if w_kind == "block" and 128 % cfg["BLOCK_N"]:
@@ -293,7 +285,7 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
                              f"{(splits - 1) * M * N} int32 elements")
         part = slots
     else:
-        part = tg._split_workspace(splits, y)
+        part = split_workspace(splits, y)
     if counters is not None and (counters.dtype != torch.int32 or counters.device != w_q.device):
         raise ValueError(f"counters must be a zeroed int32 tensor on {w_q.device}, got "
                          f"{counters.dtype} on {counters.device}")
@@ -310,6 +302,12 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
         BLOCK_K=cfg["BLOCK_K"], PDL=bool(launch), LEVELS=levels, EMPTY=EMPTY,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch)
     return y
+
+
+def ticket_counters(n: int, device: torch.device | str) -> torch.Tensor:
+    """The ticket counters for an [N, K] weight at any M <= MAX_M: int32 zeros, one per output tile of
+    16 or more columns (as they are again after every launch). A layer keeps one for its life."""
+    return torch.zeros(-(-n // 16), dtype=torch.int32, device=device)
 
 
 def exchange_slots(n: int, splits: int, device: torch.device | str, m: int = MAX_M) -> torch.Tensor:

@@ -7,15 +7,10 @@ weight rows over all of K (contiguous loads per row), multiplies them by each ac
 float32 (FP8 x FP8 products are exact in float32), one [BLOCK_N, BLOCK_K] accumulator per row, and
 sums once at the end, so nothing is written but the output. The activation comes pre-quantized from
 the Triton quantizer, launched with `early_launch` so that this kernel (a programmatic dependent
-launch) starts while it runs. H200, M = 1, CUDA graphs of 8 weight copies (BENCHMARKS.md "Decode at
-M = 1: a GEMV" and "GEMV launch configs by N"): on the FP8 row 8.3 µs at 4096 x 4096 against 10.2 µs
-for the split-K decode kernel, where a Triton kernel that only reads the weight takes 7.4 µs. The
-dispatch (`triton_fp8.GEMV_N`) uses it at M = 1 for channel, small tensor layers and block from
-N = 4096. Measured and not dispatched: 2 and 4 rows (the accumulators per row cost registers, so
-fewer weight bytes are in flight: slower than the decode kernel on every shape but 1024 x 4096);
-reading the first weight chunk before the programmatic-dependent wait (slower on all 16 tensor and
-channel rows, mixed for block); quantizing inside this kernel (every program quantized the whole row
-again).
+launch) starts while it runs. The plan (`plan.Table.gemv`) uses it where it measured faster
+(BENCHMARKS.md). Measured and not planned: 2 and 4 rows (the accumulators per row cost registers, so
+fewer weight bytes are in flight); reading the first weight chunk before the programmatic-dependent
+wait; quantizing inside this kernel (every program quantized the whole row again).
 
 Numerics (SPEC §4): float32 products and sums.
 - tensor / channel: y[m, n] = (sum_k x_q[m, k] w_q[n, k]) * s_x[m] * s_w[n].
@@ -28,22 +23,14 @@ No host synchronization: captures in CUDA graphs, runs under torch.compile.
 
 import torch
 
-from . import triton_gemm as tg
-from .triton_support import sm90
-
-try:
-    import triton
-    import triton.language as tl
-    from triton.language.extra.cuda import gdc_wait
-except ImportError:  # triton_gemm's stand-ins keep the definitions parseable; available() says why
-    triton, tl = tg.triton, tg.tl
-    gdc_wait = None
+from . import triton_jit as tj
+from .plan import GEMV_MAX_M, rows_bucket
+from .triton_support import gdc_wait, require_triton, sm90, tl, triton
 
 # Launch configs by (ROWS, activation scales: "token" for tensor / channel, "group" for block), then by
-# N: (largest N, config) rows, the last a catch-all (triton_gemm._pick). M = 1 from a sweep of 7 configs
-# over the 8 probe shapes on the H200 (benchmarks/probe_gemv_rows.py, BENCHMARKS.md "GEMV launch
-# configs by N"); each row's config is within 3% of that shape's fastest. More rows hold ROWS x
-# BLOCK_N x BLOCK_K float32 products per program, so BLOCK_K shrinks with ROWS (measured, not dispatched).
+# N: (largest N, config) rows, the last a catch-all (triton_jit.pick); M = 1 from a sweep on the H200
+# (BENCHMARKS.md). More rows hold ROWS x BLOCK_N x BLOCK_K float32 products per program, so BLOCK_K
+# shrinks with ROWS.
 _C = dict(num_warps=4)
 GEMV_CONFIGS = {
     (1, "token"): [(4096, dict(BLOCK_N=4, BLOCK_K=1024, **_C)), (None, dict(BLOCK_N=8, BLOCK_K=512, **_C))],
@@ -54,7 +41,7 @@ GEMV_CONFIGS = {
     (4, "token"): [(None, dict(BLOCK_N=4, BLOCK_K=512, **_C))],
     (4, "group"): [(None, dict(BLOCK_N=4, BLOCK_K=512, **_C))],
 }
-MAX_M = 4
+MAX_M = GEMV_MAX_M
 W_KINDS = ("tensor", "channel", "block")
 
 
@@ -131,11 +118,6 @@ def _gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm,
         _store_row(acc3, 3, M, *out)
 
 
-def rows_bucket(m: int) -> int:
-    """The kernel's ROWS for M rows: the next power of two (rows past M repeat real ones, stores masked)."""
-    return 1 << max(m - 1, 0).bit_length()
-
-
 def gemv(x_q: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind: str,
          bias: torch.Tensor | None = None, *, x_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
          config: dict | None = None, pdl: bool = False) -> torch.Tensor:
@@ -148,15 +130,15 @@ def gemv(x_q: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind: str,
     launch as a programmatic dependent of the previous kernel (pair it with the quantizer's
     `early_launch=True`).
     """
-    tg._require_triton()
+    require_triton()
     if w_kind not in W_KINDS:
         raise ValueError(f"w_kind must be one of {W_KINDS}, got {w_kind!r}")
-    if w_q.dim() != 2 or w_q.dtype != tg.FP8_DTYPE or w_q.stride(1) != 1:
-        raise ValueError(f"w_q must be a 2-D {tg.FP8_DTYPE} tensor, contiguous along K; got {w_q.dtype} "
+    if w_q.dim() != 2 or w_q.dtype != tj.FP8_DTYPE or w_q.stride(1) != 1:
+        raise ValueError(f"w_q must be a 2-D {tj.FP8_DTYPE} tensor, contiguous along K; got {w_q.dtype} "
                          f"{tuple(w_q.shape)} strides {w_q.stride()}")
     N, K = w_q.shape
-    if x_q.dtype != tg.FP8_DTYPE or x_q.shape[-1] != K:
-        raise ValueError(f"x_q must be the pre-quantized [M, {K}] {tg.FP8_DTYPE} rows, got {x_q.dtype} "
+    if x_q.dtype != tj.FP8_DTYPE or x_q.shape[-1] != K:
+        raise ValueError(f"x_q must be the pre-quantized [M, {K}] {tj.FP8_DTYPE} rows, got {x_q.dtype} "
                          f"{tuple(x_q.shape)}")
     x2 = x_q.reshape(-1, K)
     M = x2.shape[0]
@@ -166,26 +148,26 @@ def gemv(x_q: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind: str,
         raise ValueError(f"x_q on {x2.device} but w_q on {w_q.device}")
     x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
     rows = rows_bucket(M)
-    cfg = dict(tg._pick(GEMV_CONFIGS[rows, "group" if w_kind == "block" else "token"], N), **(config or {}))
+    cfg = dict(tj.pick(GEMV_CONFIGS[rows, "group" if w_kind == "block" else "token"], N), **(config or {}))
     if cfg["BLOCK_K"] & (cfg["BLOCK_K"] - 1) or cfg["BLOCK_N"] & (cfg["BLOCK_N"] - 1) or cfg["BLOCK_N"] > 128:
         raise ValueError(f"BLOCK_N (<= 128) and BLOCK_K must be powers of two, got {cfg}")
     sxm = sxk = 0
     if w_kind == "block":
-        if K % tg.SCALE_BLOCK:
-            raise ValueError(f"block gemv needs K divisible by {tg.SCALE_BLOCK}, got K={K}")
-        tg._check_block_scale(w_s, N, K, "w_s", w_q.device, tg.SCALE_BLOCK)
-        tg._check_block_scale(x_scale, M, K, "x_scale", x2.device, 1)
+        if K % tj.SCALE_BLOCK:
+            raise ValueError(f"block gemv needs K divisible by {tj.SCALE_BLOCK}, got K={K}")
+        tj.check_block_scale(w_s, N, K, "w_s", w_q.device, tj.SCALE_BLOCK)
+        tj.check_block_scale(x_scale, M, K, "x_scale", x2.device, 1)
         swn, swk, sxm, sxk = w_s.stride(0), w_s.stride(1), x_scale.stride(0), x_scale.stride(1)
     else:
-        swn, swk = tg._vector_scale(w_s, N, "w_s", w_q.device), 0
-        sxm = tg._vector_scale(x_scale, M, "x_scale", x2.device)
-    bias = tg._check_bias(bias, N, w_q.device)
-    tg._check_out_dtype(out_dtype)
+        swn, swk = tj.vector_scale(w_s, N, "w_s", w_q.device), 0
+        sxm = tj.vector_scale(x_scale, M, "x_scale", x2.device)
+    bias = tj.check_bias(bias, N, w_q.device)
+    tj.check_out_dtype(out_dtype)
     y = torch.empty((M, N), dtype=out_dtype, device=w_q.device)
     if N == 0:
         return y
     launch = {"launch_pdl": True} if pdl and sm90(w_q.device) and not torch.compiler.is_compiling() else {}
-    _gemv_kernel[(tg._cdiv(N, cfg["BLOCK_N"]),)](
+    _gemv_kernel[(tj.cdiv(N, cfg["BLOCK_N"]),)](
         x2, x_scale, w_q, w_s, bias if bias is not None else w_s, y, M, N, K, x2.stride(0), sxm, sxk,
         y.stride(0), w_q.stride(0), swn, swk, ACT_GROUP=w_kind == "block", HAS_BIAS=bias is not None,
         ROWS=rows, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL=bool(launch), num_warps=cfg["num_warps"],

@@ -1,4 +1,5 @@
-"""Triton FP8 quantizers for activations (every forward call) and weights (at load time).
+"""Triton FP8 quantizers for activations (every forward call); the weight quantizers (`triton_wquant`) share
+the per-token kernel and these helpers.
 
 Each produces the bytes and scales of `fp8now.numerics` (SPEC §4) exactly: the true divisions
 of the spec use IEEE round-to-nearest division (`tl.math.div_rn`; plain `/` in Triton is
@@ -13,67 +14,41 @@ this module is imported); see `available`.
 Public functions:
     quantize_act_token(x)            -> q [M, K], s [M, 1]          rule "row"
     quantize_act_group(x, col_major) -> q [M, K], s [M, ceil(K/128)] rule "group" (1x128)
-    quantize_act_tensor(x)           -> q [M, K], s []              rule "tensor"
-    quantize_weight(w, scheme)       -> as `numerics.quantize_weight` ([N, K] or [E, N, K])
-    weight_all_finite(w)             -> bool tensor [] (no sync; the caller syncs once at load)
     available(device)                -> None, or why these kernels cannot run on `device`
 """
 
 import torch
 
-from ..config import Scheme
-from ..numerics import BLOCK_AMAX_FLOOR, E4M3FN, GROUP_AMAX_FLOOR, Fp8Format
-
-from .triton_support import device_reason, sm90
-
-try:
-    import triton
-    import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents
-
-    _IMPORT_ERROR: str | None = None
-except ImportError as _e:  # the module stays importable so that `available` can say why
-    _IMPORT_ERROR = str(_e)
-
-    class _NoTriton:
-        """Just enough of `triton` / `triton.language` for the kernel definitions to parse."""
-
-        constexpr = object
-
-        @staticmethod
-        def jit(fn=None, **_kwargs):
-            return fn if fn is not None else (lambda f: f)
-
-    triton = tl = _NoTriton()  # type: ignore[assignment]
-    gdc_launch_dependents = None
+from ..numerics import E4M3FN, GROUP_AMAX_FLOOR, Fp8Format
+from .triton_jit import abs_bits, as_f32, cdiv, to_fp8
+from .triton_support import TRITON_ERROR, device_reason, gdc_launch_dependents, interpreted, sm90, tl, triton
 
 GROUP = 128         # activation group width and weight block edge (SPEC §3)
 # Per token: a row of up to _ROW_MAX_SINGLE elements is held in registers whole; longer rows are
-# read twice (amax, then quantize: the 2nd read hits L2) in chunks. H200, M = 16384 (BENCHMARKS.md):
-# whole rows give 3.2-3.5 TB/s up to K = 8192 but 2.2 TB/s at K = 14336 (a 16384-wide tile, 12% of
-# it masked, few programs per SM), where 2048-wide chunks give 3.4 TB/s; at K = 28672, 4096-wide
-# chunks with 8 warps (3.5 TB/s; 2048 wide: 2.75, too many rows in flight for L2 to hold both reads).
-# With few rows (decode: every row its own program) the one-shot load of a whole row has the least
-# latency, so rows stay whole up to _ROW_MAX_SINGLE_FEW_ROWS there.
+# read twice (amax, then quantize: the 2nd read hits L2) in chunks: a whole row of 14336 is a wide,
+# partly masked tile with few programs per SM, and at K = 28672 narrower chunks keep too many rows in
+# flight for L2 to hold both reads (H200, BENCHMARKS.md). With few rows (decode: every row its own
+# program) the one-shot load of a whole row has the least latency, so rows stay whole up to
+# _ROW_MAX_SINGLE_FEW_ROWS there.
 _ROW_MAX_SINGLE = 8192
 _ROW_MAX_SINGLE_FEW_ROWS = 16384
 _FEW_ROWS = 256
 _ROW_CHUNKS = ((16384, 2048, 8), (None, 4096, 8))   # (K up to, chunk width, warps), rows read twice
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
     """Smallest power of two >= n (>= 1)."""
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def _warps(elements: int) -> int:
+def warps_for(elements: int) -> int:
     """Warps for a tile: about 16 elements (32 bytes of bf16) per thread, 1..16 warps."""
     return max(1, min(16, elements // 512))
 
 
-def _require(x: torch.Tensor, ndim: tuple[int, ...], what: str) -> None:
-    if _IMPORT_ERROR is not None:
-        raise RuntimeError(f"{what}: triton is not importable ({_IMPORT_ERROR})")
+def require_input(x: torch.Tensor, ndim: tuple[int, ...], what: str) -> None:
+    if TRITON_ERROR is not None:
+        raise RuntimeError(f"{what}: triton is not importable ({TRITON_ERROR})")
     if x.dim() not in ndim:
         raise ValueError(f"{what} expects a tensor with {' or '.join(map(str, ndim))} dims, "
                          f"got shape {tuple(x.shape)}")
@@ -83,29 +58,9 @@ def _require(x: torch.Tensor, ndim: tuple[int, ...], what: str) -> None:
 
 def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
     """[..., K] -> [M, K] with unit column stride (a view when possible, as numerics does)."""
-    _require(x, (1, 2, 3, 4, 5, 6, 7, 8), what)
+    require_input(x, (1, 2, 3, 4, 5, 6, 7, 8), what)
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 or x2.shape[-1] <= 1 else x2.contiguous()
-
-
-@triton.jit
-def _abs_bits(x):
-    # |x| as int32 bit patterns. Non-negative floats order like their bits, and NaN sits above inf,
-    # so an integer max of these is the float amax with NaN propagated, like torch.amax
-    # (a float tl.max would drop NaN on the GPU).
-    return x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-
-
-@triton.jit
-def _as_f32(bits):
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _to_fp8(y, q_ptr, FMAX: tl.constexpr):
-    # clamp to ±FMAX (NaN stays NaN), then the round-to-nearest-even cast
-    y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
-    return y.to(q_ptr.dtype.element_ty)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,46 +83,47 @@ def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm,
     if SINGLE:  # the whole row fits in one tile: read it once
         mask = row_ok[:, None] & (cols[None, :] < K)
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        amax = _as_f32(tl.max(_abs_bits(x), axis=1))
+        amax = as_f32(tl.max(abs_bits(x), axis=1))
         s = tl.maximum(tl.math.div_rn(amax, FMAX), FLOOR, propagate_nan=tl.PropagateNan.ALL)
         y = tl.math.div_rn(x, s[:, None])
-        tl.store(q_rows + cols[None, :], _to_fp8(y, q_ptr, FMAX), mask=mask)
+        tl.store(q_rows + cols[None, :], to_fp8(y, q_ptr, FMAX), mask=mask)
     else:  # long rows: amax pass, then a quantize pass that reads the row again (from L2)
         acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.int32)
         for k0 in range(0, K, BLOCK_K):
             mask = row_ok[:, None] & (cols[None, :] + k0 < K)
             x = tl.load(x_rows + k0 + cols[None, :], mask=mask, other=0.0,
                         eviction_policy="evict_last")
-            acc = tl.maximum(acc, _abs_bits(x))
-        amax = _as_f32(tl.max(acc, axis=1))
+            acc = tl.maximum(acc, abs_bits(x))
+        amax = as_f32(tl.max(acc, axis=1))
         s = tl.maximum(tl.math.div_rn(amax, FMAX), FLOOR, propagate_nan=tl.PropagateNan.ALL)
         for k0 in range(0, K, BLOCK_K):
             mask = row_ok[:, None] & (cols[None, :] + k0 < K)
             x = tl.load(x_rows + k0 + cols[None, :], mask=mask, other=0.0,
                         eviction_policy="evict_first").to(tl.float32)
             y = tl.math.div_rn(x, s[:, None])
-            tl.store(q_rows + k0 + cols[None, :], _to_fp8(y, q_ptr, FMAX), mask=mask)
+            tl.store(q_rows + k0 + cols[None, :], to_fp8(y, q_ptr, FMAX), mask=mask)
     tl.store(s_ptr + rows64, s, mask=row_ok)
 
 
-def _row_plan(M: int, K: int) -> tuple[bool, int, int, int]:
-    """(whole rows?, BLOCK_K, BLOCK_M, warps) of the per-token kernel for x [M, K]."""
-    if K <= (_ROW_MAX_SINGLE if M >= _FEW_ROWS else _ROW_MAX_SINGLE_FEW_ROWS):
-        block_k = max(_pow2(K), 16)
-        block_m = max(1, min(2048 // block_k, _pow2(M), 64))
-        return True, block_k, block_m, _warps(block_m * block_k)
+def _row_plan(M: int, K: int, few_rows: int = _FEW_ROWS) -> tuple[bool, int, int, int]:
+    """(whole rows?, BLOCK_K, BLOCK_M, warps) of the per-token kernel for x [M, K]; under `few_rows`
+    rows, rows up to _ROW_MAX_SINGLE_FEW_ROWS stay whole."""
+    if K <= (_ROW_MAX_SINGLE if M >= few_rows else _ROW_MAX_SINGLE_FEW_ROWS):
+        block_k = max(pow2(K), 16)
+        block_m = max(1, min(2048 // block_k, pow2(M), 64))
+        return True, block_k, block_m, warps_for(block_m * block_k)
     block_k, warps = next((w, nw) for k_max, w, nw in _ROW_CHUNKS if k_max is None or K <= k_max)
     return False, block_k, 1, warps
 
 
-def _launch_row(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8Format,
-                early_launch: bool = False) -> None:
+def launch_row(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8Format,
+               early_launch: bool = False, few_rows: int = _FEW_ROWS) -> None:
     """Per-row quantization of x2 [M, K] into q [M, K] (row stride free) and s [M] (contiguous)."""
     M, K = x2.shape
     if M == 0:
         return
-    single, block_k, block_m, warps = _row_plan(M, K)
-    _row_quant_kernel[(triton.cdiv(M, block_m),)](
+    single, block_k, block_m, warps = _row_plan(M, K, few_rows)
+    _row_quant_kernel[(cdiv(M, block_m),)](
         x2, q, s, M, K, x2.stride(0), q.stride(0),
         FMAX=fmt.fmax, FLOOR=fmt.min_scale, BLOCK_M=block_m, BLOCK_K=block_k, SINGLE=single,
         EARLY=early_launch and sm90(x2.device) and not torch.compiler.is_compiling(), num_warps=warps)
@@ -186,7 +142,7 @@ def quantize_act_token(x: torch.Tensor, fmt: Fp8Format = E4M3FN, *, early_launch
     M, K = x2.shape
     q = torch.empty((M, K), dtype=fmt.dtype, device=x2.device)
     s = torch.empty((M, 1), dtype=torch.float32, device=x2.device)
-    _launch_row(x2, q, s, fmt, early_launch)
+    launch_row(x2, q, s, fmt, early_launch)
     return q, s
 
 
@@ -209,11 +165,11 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_
     mask = row_ok[:, None, None] & (cols < K)[None, :, :]                      # [BM, G, 128]
     x = tl.load(x_ptr + rows64[:, None, None] * stride_xm + cols[None, :, :],
                 mask=mask, other=0.0).to(tl.float32)
-    amax = _as_f32(tl.max(_abs_bits(x), axis=2))                               # [BM, G]
+    amax = as_f32(tl.max(abs_bits(x), axis=2))                               # [BM, G]
     s = tl.math.div_rn(tl.maximum(amax, FLOOR, propagate_nan=tl.PropagateNan.ALL), FMAX)
     y = tl.math.div_rn(x, s[:, :, None])
     tl.store(q_ptr + rows64[:, None, None] * stride_qm + cols[None, :, :],
-             _to_fp8(y, q_ptr, FMAX), mask=mask)
+             to_fp8(y, q_ptr, FMAX), mask=mask)
     n_groups = (K + GROUP_K - 1) // GROUP_K
     tl.store(s_ptr + rows64[:, None] * stride_sm + groups[None, :] * stride_sg, s,
              mask=row_ok[:, None] & (groups < n_groups)[None, :])
@@ -229,7 +185,7 @@ def quantize_act_group(x: torch.Tensor, col_major: bool = False, fmt: Fp8Format 
     """
     x2 = _rows(x, "quantize_act_group")
     M, K = x2.shape
-    n_groups = triton.cdiv(K, GROUP)
+    n_groups = cdiv(K, GROUP)
     q = torch.empty((M, K), dtype=fmt.dtype, device=x2.device)
     if col_major:
         s = torch.empty((n_groups, M), dtype=torch.float32, device=x2.device).t()
@@ -238,7 +194,7 @@ def quantize_act_group(x: torch.Tensor, col_major: bool = False, fmt: Fp8Format 
     if M == 0 or K == 0:
         return q, s
     block_m, groups, warps = _group_plan(M, n_groups, col_major)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(n_groups, groups))
+    grid = (cdiv(M, block_m), cdiv(n_groups, groups))
     _group_quant_kernel[grid](
         x2, q, s, M, K, x2.stride(0), q.stride(0), s.stride(0), s.stride(1),
         FMAX=fmt.fmax, FLOOR=GROUP_AMAX_FLOOR, BLOCK_M=block_m, GROUPS=groups, GROUP_K=GROUP,
@@ -249,181 +205,11 @@ def quantize_act_group(x: torch.Tensor, col_major: bool = False, fmt: Fp8Format 
 def _group_plan(M: int, n_groups: int, col_major: bool) -> tuple[int, int, int]:
     """(BLOCK_M, GROUPS, warps) of the group quantizer: 16 groups of 128 per program, 2 warps (32
     elements per thread). Row-major scales: 2 rows x 8 groups; column-major: 8 rows x 2 groups, so a
-    program writes 8 consecutive scales of each group column. (Swept on the H200 at M = 1024-16384,
-    K = 4096-28672, 2026-12-03: within 3% of the best of 44 configurations at every shape, 3.0-3.9
-    TB/s; the former 4 rows x 8 groups, 8 warps was 5-29% slower; BENCHMARKS.md.)"""
-    want = min(2 if col_major else 8, _pow2(n_groups))
-    block_m = min(16 // want, _pow2(M))
-    groups = min(16 // block_m, _pow2(n_groups))
+    program writes 8 consecutive scales of each group column (swept on the H200; BENCHMARKS.md)."""
+    want = min(2 if col_major else 8, pow2(n_groups))
+    block_m = min(16 // want, pow2(M))
+    groups = min(16 // block_m, pow2(n_groups))
     return block_m, groups, max(1, block_m * groups * GROUP // 1024)
-
-
-# ---------------------------------------------------------------------------------------------
-# Per tensor ("tensor" rule): s = amax / FMAX (amax == 0 -> 1 / (FMAX * 512)), q = fp8(x * (1/s)).
-# Pass 1: each program folds the amax of its rows x K-span into an int32 scratch with atomic_max
-# (amax >= 0 or +NaN, whose bit patterns order like integers, NaN above inf). Pass 2 quantizes.
-# Also the weight "tensor" scheme.
-# ---------------------------------------------------------------------------------------------
-@triton.jit
-def _amax_kernel(x_ptr, amax_ptr, M, K, stride_xm,
-                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    cols = tl.program_id(1) * (BLOCK_K * K_ITERS) + tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.int32)
-    for i in range(K_ITERS):
-        c = cols + i * BLOCK_K
-        x = tl.load(x_rows + c[None, :], mask=row_ok[:, None] & (c < K)[None, :], other=0.0)
-        acc = tl.maximum(acc, _abs_bits(x))
-    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
-
-
-def _launch_amax(x2: torch.Tensor, amax_bits: torch.Tensor) -> None:
-    """Fold max |x2| (as int32 bits, NaN above inf) into the int32 scalar `amax_bits` (atomic_max)."""
-    M, K = x2.shape
-    if M == 0 or K == 0:
-        return
-    # ~64K elements per program: one atomic per 128 KiB of bf16
-    bk = min(_pow2(K), 1024)
-    bm = min(_pow2(M), max(1, 8192 // bk))
-    k_iters = max(1, min(triton.cdiv(K, bk), 65536 // (bm * bk)))
-    _amax_kernel[(triton.cdiv(M, bm), triton.cdiv(K, bk * k_iters))](
-        x2, amax_bits, M, K, x2.stride(0),
-        BLOCK_M=bm, BLOCK_K=bk, K_ITERS=k_iters, num_warps=_warps(bm * bk))
-
-
-@triton.jit
-def _tensor_quant_kernel(x_ptr, q_ptr, amax_ptr, s_ptr, M, K, stride_xm, stride_qm,
-                         FMAX: tl.constexpr, FLOOR: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    amax = _as_f32(tl.load(amax_ptr))
-    s = tl.where(amax == 0.0, FLOOR, tl.math.div_rn(amax, FMAX))
-    inv = tl.math.div_rn(1.0, s)
-    tl.store(s_ptr, s, mask=(pid_m == 0) & (pid_k == 0))
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    rows64 = rows.to(tl.int64)
-    mask = (rows < M)[:, None] & (cols < K)[None, :]
-    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-    y = x.to(tl.float32) * inv
-    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], _to_fp8(y, q_ptr, FMAX), mask=mask)
-
-
-def _launch_tensor(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, amax_bits: torch.Tensor,
-                   fmt: Fp8Format) -> None:
-    """Per-tensor quantization of x2 [M, K] into q and the 0-d `s`; `amax_bits` is a zeroed int32."""
-    M, K = x2.shape
-    if M == 0 or K == 0:
-        s.fill_(fmt.min_scale)  # amax of nothing is 0: the zero guard applies
-        return
-    _launch_amax(x2, amax_bits)
-    bk = min(_pow2(K), 2048)  # 8K-element tiles
-    bm = min(_pow2(M), max(1, 8192 // bk))
-    _tensor_quant_kernel[(triton.cdiv(M, bm), triton.cdiv(K, bk))](
-        x2, q, amax_bits, s, M, K, x2.stride(0), q.stride(0),
-        FMAX=fmt.fmax, FLOOR=fmt.min_scale, BLOCK_M=bm, BLOCK_K=bk, num_warps=_warps(bm * bk))
-
-
-def quantize_act_tensor(x: torch.Tensor, fmt: Fp8Format = E4M3FN) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tensor FP8: `x [..., K]` -> `(q [M, K], s [] float32)`, rule "tensor" (SPEC §4)."""
-    x2 = _rows(x, "quantize_act_tensor")
-    M, K = x2.shape
-    q = torch.empty((M, K), dtype=fmt.dtype, device=x2.device)
-    s = torch.empty((), dtype=torch.float32, device=x2.device)
-    amax_bits = torch.zeros((), dtype=torch.int32, device=x2.device)
-    _launch_tensor(x2, q, s, amax_bits, fmt)
-    return q, s
-
-
-# ---------------------------------------------------------------------------------------------
-# Weight blocks ("block" rule): per 128x128 tile a = max(amax, 1e-4), s = a / FMAX,
-# q = fp8(clamp(w * (1/s))). One program per tile; edge tiles are masked (padding is zero).
-# ---------------------------------------------------------------------------------------------
-@triton.jit
-def _block_quant_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_qn, stride_sn,
-                        FMAX: tl.constexpr, FLOOR: tl.constexpr, BLOCK: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_n * BLOCK + tl.arange(0, BLOCK)
-    cols = pid_k * BLOCK + tl.arange(0, BLOCK)
-    rows64 = rows.to(tl.int64)
-    mask = (rows < N)[:, None] & (cols < K)[None, :]
-    w = tl.load(w_ptr + rows64[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
-    w = w.to(tl.float32)
-    amax = _as_f32(tl.max(tl.max(_abs_bits(w), axis=1), axis=0))
-    s = tl.math.div_rn(tl.maximum(amax, FLOOR, propagate_nan=tl.PropagateNan.ALL), FMAX)
-    inv = tl.math.div_rn(1.0, s)
-    tl.store(q_ptr + rows64[:, None] * stride_qn + cols[None, :], _to_fp8(w * inv, q_ptr, FMAX),
-             mask=mask)
-    tl.store(s_ptr + pid_n * stride_sn + pid_k, s)
-
-
-def _launch_block(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8Format) -> None:
-    N, K = w.shape
-    if N == 0 or K == 0:
-        return
-    _block_quant_kernel[(triton.cdiv(N, GROUP), triton.cdiv(K, GROUP))](
-        w, q, s, N, K, w.stride(0), q.stride(0), s.stride(0),
-        FMAX=fmt.fmax, FLOOR=BLOCK_AMAX_FLOOR, BLOCK=GROUP, num_warps=8)
-
-
-def quantize_weight(w: torch.Tensor, scheme: Scheme | str, fmt: Fp8Format = E4M3FN
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a weight `[N, K]` or stacked experts `[E, N, K]` with the bytes of
-    `numerics.quantize_weight`: scale tensor `[]` (`[E]`), channel `[N, 1]` (`[E, N, 1]`),
-    block `[ceil(N/128), ceil(K/128)]` (`[E, ...]`).
-
-    NaN/Inf are not checked here (that would need a sync): call `weight_all_finite` first.
-    """
-    scheme = Scheme.parse(scheme)
-    _require(w, (2, 3), "quantize_weight")
-    if w.stride(-1) != 1 and w.shape[-1] > 1:
-        w = w.contiguous()
-    w3 = w if w.dim() == 3 else w.unsqueeze(0)
-    E, N, K = w3.shape
-    dev = w.device
-    q = torch.empty((E, N, K), dtype=fmt.dtype, device=dev)
-    if scheme is Scheme.TENSOR:
-        s = torch.empty((E,), dtype=torch.float32, device=dev)
-        amax_bits = torch.zeros((E,), dtype=torch.int32, device=dev)
-        for e in range(E):
-            _launch_tensor(w3[e], q[e], s[e], amax_bits[e], fmt)
-    elif scheme is Scheme.CHANNEL:
-        s = torch.empty((E, N, 1), dtype=torch.float32, device=dev)
-        for e in range(E):
-            _launch_row(w3[e], q[e], s[e], fmt)
-    else:
-        s = torch.empty((E, triton.cdiv(N, GROUP), triton.cdiv(K, GROUP)), dtype=torch.float32,
-                        device=dev)
-        for e in range(E):
-            _launch_block(w3[e], q[e], s[e], fmt)
-    if w.dim() == 2:
-        return q[0], s[0]
-    return q, s
-
-
-def weight_all_finite(w: torch.Tensor) -> torch.Tensor:
-    """0-d bool tensor on w's device: True when `w` ([N, K] or [E, N, K]) holds no NaN/Inf.
-
-    One amax pass over the bits (|x| >= 0x7F800000 is inf or NaN), without a host sync; the caller
-    reads the flag (one sync) at load time.
-    """
-    _require(w, (1, 2, 3), "weight_all_finite")
-    if w.stride(-1) != 1 and w.shape[-1] > 1:
-        w = w.contiguous()
-    w3 = w.reshape(1, 1, -1) if w.dim() == 1 else (w if w.dim() == 3 else w.unsqueeze(0))
-    amax_bits = torch.zeros((), dtype=torch.int32, device=w.device)
-    for e in range(w3.shape[0]):
-        _launch_amax(w3[e], amax_bits)
-    return amax_bits < 0x7F800000
-
-
-def _is_interpreted() -> bool:
-    """Whether the kernels were built by Triton's interpreter (TRITON_INTERPRET=1 at import)."""
-    return type(_row_quant_kernel).__name__ == "InterpretedFunction"
 
 
 def available(device: torch.device | str | None = None) -> str | None:
@@ -432,4 +218,4 @@ def available(device: torch.device | str | None = None) -> str | None:
     Runs on CUDA GPUs of compute capability >= 8.9 (hardware FP8 conversion), and on the CPU
     only when Triton's interpreter was enabled (TRITON_INTERPRET=1) before this module was imported.
     """
-    return device_reason(device, _is_interpreted(), _IMPORT_ERROR, (8, 9), "FP8 conversion")
+    return device_reason(device, interpreted(_row_quant_kernel), TRITON_ERROR, (8, 9), "FP8 conversion")

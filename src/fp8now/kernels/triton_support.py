@@ -1,11 +1,43 @@
-"""Where the Triton kernels can run: one device check shared by the quantizer and GEMM modules, and the
-host-side memo their launch helpers use."""
+"""Triton itself, or one stand-in where it is missing (the kernel modules stay importable so that their
+`available` can say why); where the kernels can run; the host-side memo their launch helpers use."""
 
 from __future__ import annotations
 
 import functools
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    TRITON_ERROR: str | None = None
+except ImportError as _e:
+    TRITON_ERROR = str(_e)
+
+    class _NoTriton:
+        """Just enough of `triton` / `triton.language` for the kernel definitions to parse."""
+
+        constexpr = object
+
+        @staticmethod
+        def jit(fn=None, **_kwargs):
+            return fn if fn is not None else (lambda f: f)
+
+    triton = tl = _NoTriton()  # type: ignore[assignment]
+    gdc_launch_dependents = gdc_wait = None
+
+
+def interpreted(kernel) -> bool:
+    """Was `kernel` built by Triton's interpreter (TRITON_INTERPRET=1 when its module was imported)?"""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def require_triton() -> None:
+    """Raise a clear error when a kernel wrapper is called without an importable triton."""
+    if TRITON_ERROR is not None:
+        raise RuntimeError(f"triton is not importable ({TRITON_ERROR})")
 
 
 def device_reason(device: torch.device | str | None, interpreted: bool, import_error: str | None,

@@ -1,0 +1,169 @@
+"""The kernel plan: one pure function decides what a layer call runs, from a threshold table per device class.
+
+`plan(backend, scheme, act, m, n, k, device_class, batch_invariant, compiling)` returns a `Path`: the
+activation quantizer, the GEMM, and the launch details the backend executes, nothing else. Its
+thresholds live in `Table` (a frozen dataclass; one per device class in `TABLES`), so a test or a
+tuning run passes another table instead of patching module state. The load report shows
+`plan(...).name` per layer at a few token counts; the measurements behind the numbers are in
+BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Mapping, NamedTuple
+
+import torch
+
+from ..config import Scheme
+
+DECODE_MAX_M = 16   # rows of the split-K decode kernel's one row tile (triton_decode.MAX_M)
+GEMV_MAX_M = 4      # rows the GEMV holds accumulators for (triton_gemv.MAX_M)
+WIDE = 1 << 62      # an open upper end of an N range
+
+
+@dataclass(frozen=True)
+class Table:
+    """The per-call thresholds of the triton backend (ranges of N are inclusive)."""
+
+    # M at or below which the split-K Triton GEMMs beat cuBLAS (few output tiles need K split over the SMs)
+    rowwise_max_m: int = 64          # token scales; above: cuBLAS rowwise
+    block_max_m: int = 32            # group scales; above: `block_large`
+    block_large: str = "cublas"      # "cublas" (blockwise, where cuBLAS takes K) or "triton"
+    # the GEMV after the Triton quantizer: (scheme, GEMV rows bucket, lowest N, highest N) rows; none: never.
+    # Only one row: with 2-4 rows the per-row accumulators leave fewer weight bytes in flight than the
+    # decode kernel; wide tensor layers go to cuBLAS tensorwise instead.
+    gemv: tuple[tuple[str, int, int, int], ...] = (
+        ("tensor", 1, 0, 6144), ("channel", 1, 0, WIDE), ("block", 1, 4096, WIDE))
+    tensorwise_m1: bool = True       # tensor scheme, M = 1: cuBLAS tensorwise (one row's scale is per-tensor)
+    pdl_max_m: int = 4               # token decode: start the GEMM while the quantizer runs up to this M
+    fused_block_max_n: int = 8192    # block, M = 1: one launch that quantizes its own groups, while few tiles
+    # decode with few K splits (token: two added by exchange): below, too few programs; above, the output
+    # tiles alone fill the GPU and the exchange's atomics cost more than the ticket
+    few_splits_n: tuple[int, int] = (4096, 8192)
+    # under torch.compile, these kinds quantize with torch ops that inductor fuses into the producer
+    # (1x128 groups: inductor splits them into passes that recompute the producer, so not "group")
+    compiled_quant: tuple[str, ...] = ("token",)
+
+
+# Device class -> table. Only "cuda-fp8" runs the triton backend; its numbers come from the H200.
+TABLES: Mapping[str, Table] = MappingProxyType({"cuda-fp8": Table(), "cuda": Table(), "cpu": Table()})
+
+
+@dataclass(frozen=True)
+class Path:
+    """What one call runs: `quant` computes the activation's `act` scales ("triton", "torch" ops,
+    "fused" into the GEMM kernel, or "none": left in bf16/fp16), then `gemm` with `config` overrides
+    (e.g. SPLIT_K, num_stages), as a programmatic dependent launch if `pdl` (sm_90), with one fixed
+    configuration for every M if `invariant`."""
+
+    scheme: Scheme
+    act: str
+    quant: str
+    gemm: str
+    config: tuple[tuple[str, int], ...] = ()
+    pdl: bool = False
+    invariant: bool = False
+
+    @property
+    def name(self) -> str:
+        """E.g. "triton-token + triton-decode-exchange (SPLIT_K=2, num_stages=6, pdl)"."""
+        head = self.gemm if self.quant == "none" else f"{self.quant}-{self.act} + {self.gemm}"
+        notes = [f"{key}={value}" for key, value in self.config]
+        notes += ["pdl"] * self.pdl + ["batch-invariant"] * self.invariant
+        return head + (f" ({', '.join(notes)})" if notes else "")
+
+
+class Weights(NamedTuple):
+    """What a layer hands its backend on every call: its FP8 weight, scales, bias, and the scratch its
+    backend's `workspace` hook allocated once (None for backends without one)."""
+
+    w_q: torch.Tensor                # [N, K] float8_e4m3fn
+    w_scale: torch.Tensor            # [] / [N, 1] / [ceil(N/128), ceil(K/128)] float32
+    bias: torch.Tensor | None        # [N]
+    workspace: torch.Tensor | None
+
+
+def few_splits(n: int, k: int) -> int:
+    """K splits of the few-split decode: 2, or 4 for a long K on under 128 output tiles of 64."""
+    return 2 if k <= 8192 or n >= 8192 else 4
+
+
+def rows_bucket(m: int) -> int:
+    """The GEMV's rows for M rows: the next power of two (rows past M repeat real ones, stores masked)."""
+    return 1 << max(m - 1, 0).bit_length()
+
+
+def blockwise_unfit(k: int) -> str | None:
+    """None if cuBLAS blockwise scaling takes this K, else why not: the weight scale's leading dimension
+    K/128 must be a multiple of 4 (16-byte aligned) or cuBLAS answers NOT_SUPPORTED (checked on the H200
+    against the float64 product; BENCHMARKS.md)."""
+    if k % 512:
+        return f"blockwise scaled_mm needs K divisible by 512 (K={k}): cuBLAS wants K/128 scales 16-byte aligned"
+    return None
+
+
+def _triton(scheme: Scheme, m: int, n: int, k: int, invariant: bool, compiling: bool, t: Table) -> Path:
+    """The triton backend: Triton quantizer (torch ops under compile where the table says), then by M."""
+    act = "group" if scheme is Scheme.BLOCK else "token"
+    quant = "torch" if compiling and act in t.compiled_quant else "triton"
+
+    def path(gemm: str, config: dict | None = None, pdl: bool = False, how: str = quant) -> Path:
+        return Path(scheme, act, how, gemm, tuple((config or {}).items()), pdl and not compiling, invariant)
+
+    if invariant:
+        return path("triton-block" if act == "group" else "triton-rowwise")
+    few = t.few_splits_n[0] <= n <= t.few_splits_n[1]
+    if m <= DECODE_MAX_M:
+        bucket = rows_bucket(m)
+        if m <= GEMV_MAX_M and any(s == scheme.value and r == bucket and lo <= n <= hi for s, r, lo, hi in t.gemv):
+            return path("triton-gemv", pdl=True)
+        if scheme is Scheme.TENSOR and m == 1 and t.tensorwise_m1:
+            return path("cublas-tensorwise")
+        if act == "token":
+            pdl = m <= t.pdl_max_m
+            if not few:
+                return path("triton-decode", pdl=pdl)
+            splits = few_splits(n, k)
+            return path("triton-decode-exchange" if splits == 2 else "triton-decode",
+                        dict(SPLIT_K=splits, num_stages=6), pdl)
+        if m == 1 and n <= t.fused_block_max_n:
+            return path("triton-decode", how="fused")
+        if few:
+            return path("triton-decode", dict(SPLIT_K=2 * few_splits(n, k)))
+    if act == "group":
+        if m > t.block_max_m and t.block_large == "cublas" and blockwise_unfit(k) is None:
+            return path("cublas-blockwise")
+        return path("triton-block")
+    return path("triton-rowwise" if m <= t.rowwise_max_m else "cublas-rowwise")
+
+
+def _torch(scheme: Scheme, act: str, dclass: str) -> Path:
+    """The torch backend: numerics' quantizer, then `_scaled_mm` (cuBLAS on a GPU, torch's own on CPU)."""
+    lib = "torch" if dclass == "cpu" else "cublas"
+    if scheme is Scheme.BLOCK:
+        return Path(scheme, act, "torch", f"{lib}-blockwise")
+    tensorwise = scheme is Scheme.TENSOR and act == "tensor"
+    return Path(scheme, act, "torch", f"{lib}-{'tensorwise' if tensorwise else 'rowwise'}")
+
+
+# Backend -> its planner (scheme, act, m, n, k, device class, batch_invariant, compiling, table) -> Path.
+PLANNERS: Mapping[str, Callable[..., Path]] = MappingProxyType({
+    "triton": lambda s, a, m, n, k, d, bi, c, t: _triton(s, m, n, k, bi, c, t),
+    "torch": lambda s, a, m, n, k, d, bi, c, t: _torch(s, a, d),
+    "reference": lambda s, a, m, n, k, d, bi, c, t: Path(s, a, "torch", "reference"),
+    "triton-w8a16": lambda s, a, m, n, k, d, bi, c, t: Path(s, a, "none", "triton-w8a16"),
+})
+
+
+def plan(backend: str, scheme: Scheme, act: str, m: int, n: int, k: int, device_class: str,
+         batch_invariant: bool = False, compiling: bool = False, table: Table | None = None) -> Path:
+    """The path of one call of `backend` on x [M, K] and a weight [N, K] (`compiling`: under torch.compile);
+    `table` defaults to the device class's."""
+    if backend not in PLANNERS:
+        raise ValueError(f"no plan for backend {backend!r}; known: {', '.join(PLANNERS)}")
+    if table is None:
+        table = TABLES[device_class]
+    return PLANNERS[backend](Scheme.parse(scheme), act, m, n, k, device_class, batch_invariant, compiling,
+                             table)
