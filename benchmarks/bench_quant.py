@@ -121,6 +121,7 @@ def run(out_path: str = DEFAULT_OUT, quick: bool = False) -> list[dict]:
         raise RuntimeError("bench_quant needs a CUDA GPU (the Triton quantizers do not run on the CPU "
                            "outside the interpreter)")
     from fp8now.kernels import triton_quant as tq   # the kernels themselves: no public API times them
+    from fp8now.kernels import triton_wquant as twq
 
     reason = tq.available(torch.device("cuda"))
     if reason is not None:
@@ -165,14 +166,14 @@ def run(out_path: str = DEFAULT_OUT, quick: bool = False) -> list[dict]:
         for scheme in SCHEMES:
             t0 = time.perf_counter()
             ref = numerics.quantize_weight(w_cpu, scheme)
-            out = tq.quantize_weight(w, scheme)
+            out = twq.quantize_weight(w, scheme)
             exact = _same(out, ref)
             torch_cuda_equal = _same(numerics.quantize_weight(w, scheme), ref)
             verify_s = time.perf_counter() - t0
             n_scales = {"tensor": 1, "channel": N, "block": math.ceil(N / 128) * math.ceil(K / 128)}[scheme]
             nbytes = N * K * w.element_size() + N * K + 4 * n_scales
             r = _row(what="weight", op=scheme, shape=[N, K], dtype="bfloat16", bytes=nbytes,
-                     triton_us=_bench(lambda: tq.quantize_weight(w, scheme)),
+                     triton_us=_bench(lambda: twq.quantize_weight(w, scheme)),
                      triton_graph_us=None,
                      torch_us=_bench(lambda: numerics.quantize_weight(w, scheme)),
                      exact=exact, torch_cuda_equal=torch_cuda_equal, verify_s=round(verify_s, 1))
@@ -180,8 +181,8 @@ def run(out_path: str = DEFAULT_OUT, quick: bool = False) -> list[dict]:
             _print_row(r)
             record.write(out_path, info, rows)
             del out, ref
-        finite = bool(tq.weight_all_finite(w))
-        t_fin = _bench(lambda: tq.weight_all_finite(w))
+        finite = bool(twq.weight_all_finite(w))
+        t_fin = _bench(lambda: twq.weight_all_finite(w))
         r = _row(what="weight", op="finite", shape=[N, K], dtype="bfloat16", bytes=N * K * w.element_size(),
                  triton_us=t_fin, triton_graph_us=None, exact=finite, torch_cuda_equal=finite)
         rows.append(r)
