@@ -17,7 +17,9 @@ from .config import Fp8Config
 from .hf import (ST_DTYPES, Slot, build_skeleton, checkpoint_files, corrupt_error, index_map,
                  keep_fp32_names, model_slots, resolve_name, scan_headers, set_submodule, swap_linears,
                  target_linears)
+from .hf_moe import add_experts, is_experts, quantize_experts_
 from .linear import Fp8Linear, check_float_weight
+from .moe import Fp8Experts
 from .report import LayerRow, LoadReport, peak_host_rss_bytes, tensor_bytes, weight_error
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -256,7 +258,7 @@ def quantize_(model: nn.Module, config: Fp8Config | None = None, *,
     start = time.perf_counter()
     config = config or Fp8Config()
     targets, ignored = target_linears(model, config)
-    if not targets and not any(isinstance(m, Fp8Linear) for m in model.modules()):
+    if not targets and not any(isinstance(m, (Fp8Linear, Fp8Experts)) or is_experts(m) for m in model.modules()):
         raise ValueError(f"quantize_: nothing to quantize in {type(model).__name__}: all {len(ignored)} "
                          "linear layers are left alone; loosen Fp8Config.ignore")
     rows: list[LayerRow] = []
@@ -277,6 +279,8 @@ def quantize_(model: nn.Module, config: Fp8Config | None = None, *,
         set_submodule(model, name, layer)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1),
                  torch.bfloat16)
-    report = _report(model, rows, ignored, type(model).__name__, device, dtype, config)
+    expert_rows, expert_ignored = quantize_experts_(model, config, measure_error)
+    report = _report(model, rows, ignored + expert_ignored, type(model).__name__, device, dtype, config)
+    add_experts(report, model, expert_rows)
     report.load_s = time.perf_counter() - start
     return report
