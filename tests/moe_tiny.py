@@ -63,7 +63,9 @@ def moe_model(family: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16, s
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
             elif name.endswith("bias"):
                 p.copy_(0.02 * torch.randn(p.shape, generator=g))
-    return model.to(dtype).eval()
+        for p in model.parameters():   # parameters only: buffers such as RoPE inv_freq stay float32
+            p.data = p.data.to(dtype)
+    return model.eval()
 
 
 def save_moe(family: str, folder: Path, seed: int = 0, spread: float = 40.0, **overrides: Any) -> Path:
