@@ -158,3 +158,17 @@ def test_bad_inputs_name_the_layer():
         Fp8Experts(4, 128, 128, Fp8Config(scheme="tensor", activation="tensor"), act_fn=torch.nn.SiLU())
     with pytest.raises(ValueError, match="no MoE experts kernel"):
         Fp8Experts(4, 128, 128, Fp8Config(backend="triton"), act_fn=torch.nn.SiLU())
+
+
+def test_load_again_writes_in_place():
+    """A second load_ (e.g. an RL weight refit) keeps every tensor object and address."""
+    m, _ = _experts("block", seed=7)
+    tensors = [m.w13, m.w2, m.w13_scale, m.w2_scale]
+    ptrs = [t.data_ptr() for t in tensors]
+    w13, w2, _, _ = _weights(6, 128, 192, seed=8)
+    m.load_(w13, w2)
+    assert [t.data_ptr() for t in (m.w13, m.w2, m.w13_scale, m.w2_scale)] == ptrs
+    assert all(a is b for a, b in zip(tensors, (m.w13, m.w2, m.w13_scale, m.w2_scale)))
+    fresh, _ = _experts("block", seed=8)
+    assert torch.equal(m.w13.view(torch.uint8), fresh.w13.view(torch.uint8))
+    assert torch.equal(m.w2_scale, fresh.w2_scale)

@@ -141,3 +141,14 @@ def test_ignored_experts_stay_bf16_and_are_listed():
     report = fp8now.quantize_(model, Fp8Config(ignore=("lm_head", "re:.*experts")))
     assert not report.experts and not any(isinstance(m, Fp8Experts) for m in model.modules())
     assert ("model.layers.0.mlp.experts", "matches ignore pattern 're:.*experts'") in report.ignored
+
+
+def test_quantize_twice_is_a_no_op():
+    model = moe_model("qwen2_moe")
+    fp8now.quantize_(model, Fp8Config(scheme="block"))
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    report = fp8now.quantize_(model, Fp8Config(scheme="block"))
+    assert not report.experts and not report.layers
+    assert ("model.layers.0.mlp.experts", "already FP8 experts (not quantized again)") in report.ignored
+    after = model.state_dict()
+    assert all(torch.equal(before[n].view(torch.uint8), after[n].view(torch.uint8)) for n in before)

@@ -1,5 +1,7 @@
 """fp8now.load streams MoE checkpoints saved by transformers itself (per-expert names or fused tensors)."""
 
+import json
+
 import pytest
 import torch
 from moe_tiny import MOE_FAMILIES, moe_model, save_moe
@@ -75,3 +77,17 @@ def test_wrong_expert_shape_names_the_layer(tmp_path):
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts"):
         fp8now.load(path, Fp8Config(), device="cpu")
+
+
+def test_sharded_checkpoint_with_a_layer_across_shards(tmp_path):
+    """Small shards split a layer's experts over several files; the layer waits for all of them."""
+    model = moe_model("olmoe", seed=4)
+    model.save_pretrained(tmp_path / "olmoe", max_shard_size="100KB")
+    weight_map = json.loads((tmp_path / "olmoe" / "model.safetensors.index.json").read_text())["weight_map"]
+    layer0 = {f for k, f in weight_map.items() if k.startswith("model.layers.0.mlp.experts.")}
+    assert len(layer0) >= 2   # one experts module spread over several shards
+    loaded, report = fp8now.load(tmp_path / "olmoe", Fp8Config(scheme="block"), device="cpu")
+    fp8now.quantize_(model, Fp8Config(scheme="block"))
+    got, want = loaded.state_dict(), model.state_dict()
+    assert got.keys() == want.keys() and len(report.files) > 4
+    assert all(torch.equal(_bytes(got[n]), _bytes(want[n])) for n in got)
