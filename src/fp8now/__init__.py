@@ -2,13 +2,14 @@
 
 from .config import Fp8Config, Scheme
 from .linear import Fp8Linear
+from .moe import Fp8Experts
 from .loader import load, quantize_
 from .reload import reload_weights
 from .numerics import dequantize, quantize_activation, quantize_weight, rel_diff, sqnr
 from .report import LoadReport
 
 __all__ = [
-    "Fp8Config", "Fp8Linear", "LoadReport", "Scheme", "load", "quantize_", "reload_weights",
+    "Fp8Config", "Fp8Experts", "Fp8Linear", "LoadReport", "Scheme", "load", "quantize_", "reload_weights",
     "dequantize", "quantize_activation", "quantize_weight", "rel_diff", "sqnr",
 ]
 __version__ = "0.1.0"

@@ -17,14 +17,17 @@ from .config import Fp8Config
 from .checkpoint import ST_DTYPES, checkpoint_files, corrupt_error, index_map, scan_headers
 from .hf import (Slot, build_skeleton, keep_fp32_names, model_slots, resolve_name, set_submodule, swap_linears,
                  target_linears)
+from .hf_moe import add_experts, is_experts, quantize_experts_
 from .linear import Fp8Linear, check_float_weight
+from .moe import Fp8Experts
+from .moe_load import ExpertsLoad
 from .report import LayerRow, LoadReport, peak_host_rss_bytes, plan_names, tensor_bytes, weight_error
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _source_map(model_dir: Path, files: list[Path], slots: dict[str, Slot], alias_of: dict[str, str],
-                 computed: set[str], prefix: str
+                 computed: set[str], prefix: str, experts: ExpertsLoad | None = None
                  ) -> tuple[dict[Path, list[tuple[str, str]]], list[tuple[str, str]]]:
     """Check every header against the model; -> per file [(key, model name)], skipped (key, why)."""
     known = set(slots) | set(alias_of) | computed
@@ -33,11 +36,17 @@ def _source_map(model_dir: Path, files: list[Path], slots: dict[str, Slot], alia
     unexpected: list[str] = []
     skipped: list[tuple[str, str]] = []
     in_file: dict[str, set[str]] = {}
+    parts: dict[Path, list[tuple[str, str]]] = {p: [] for p in files}  # per-expert tensors of fused params
     for path in files:
         headers = scan_headers(path)
         in_file[path.name] = {key for key, _, _ in headers}
         for key, shape, st_dtype in headers:
             name = resolve_name(key, known, prefix)
+            if name is None and experts is not None:  # transformers' renaming / expert-merging rules
+                name, is_part = experts.claim(key, path, st_dtype, known, prefix)
+                if is_part:
+                    parts[path].append((key, name))
+                    continue
             if name is None:
                 unexpected.append(f"{key!r} in {path.name}")
                 continue
@@ -65,12 +74,13 @@ def _source_map(model_dir: Path, files: list[Path], slots: dict[str, Slot], alia
         if key not in in_file.get(fname, ()):
             raise ValueError(f"{model_dir / 'model.safetensors.index.json'} lists {key!r} in {fname}, "
                              "which does not contain it; re-download the checkpoint")
-    missing = [n for n, s in slots.items() if n not in source and s.kind != "buffer"]
+    merged = experts.check_parts(model_dir) if experts is not None else set()
+    missing = [n for n, s in slots.items() if n not in source and n not in merged and s.kind != "buffer"]
     if missing:
         raise ValueError(f"{model_dir}: {len(missing)} tensor(s) missing from the checkpoint, e.g. "
                          f"{', '.join(missing[:5])}; the checkpoint is incomplete or does not match "
                          "config.json (re-download it)")
-    by_file: dict[Path, list[tuple[str, str]]] = {p: [] for p in files}
+    by_file: dict[Path, list[tuple[str, str]]] = parts
     for canon, (path, key) in source.items():
         by_file[path].append((key, canon))
     return by_file, skipped
@@ -127,7 +137,7 @@ def _materialize(slot: Slot, t: torch.Tensor, device: torch.device, dtype: torch
 
 
 def _stream(by_file: dict[Path, list[tuple[str, str]]], slots: dict[str, Slot], device: torch.device,
-            dtype: torch.dtype, measure: bool) -> list[LayerRow]:
+            dtype: torch.dtype, measure: bool, experts: ExpertsLoad | None = None) -> list[LayerRow]:
     from safetensors import safe_open
 
     rows: list[LayerRow] = []
@@ -146,6 +156,9 @@ def _stream(by_file: dict[Path, list[tuple[str, str]]], slots: dict[str, Slot], 
                 except Exception as e:
                     raise corrupt_error(path, e) from None
                 slot = slots[name]
+                if slot.kind == "experts":
+                    experts.add(name, key, t, path, device, dtype, measure)
+                    continue
                 if slot.kind != "fp8":
                     _materialize(slot, t, device, dtype)
                     continue
@@ -156,8 +169,9 @@ def _stream(by_file: dict[Path, list[tuple[str, str]]], slots: dict[str, Slot], 
                 del t
                 if "weight" in parts and (layer.bias is None or "bias" in parts):
                     rows.append(_quantize_layer(layer, pending.pop(layer.name), device, dtype, measure))
-    if pending:  # cannot happen after _source_map; kept as a guard against silent partial loads
-        raise RuntimeError(f"layers left incomplete after reading every file: {', '.join(pending)}")
+    pending_names = [*pending, *(experts.unfinished() if experts is not None else [])]
+    if pending_names:  # cannot happen after _source_map; kept as a guard against silent partial loads
+        raise RuntimeError(f"layers left incomplete after reading every file: {', '.join(pending_names)}")
     return rows
 
 
@@ -209,18 +223,21 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
     model = build_skeleton(model_dir, dtype)
     files = checkpoint_files(model_dir)
     targets, ignored = target_linears(model, config)
-    if not targets:
+    experts = ExpertsLoad(model, config)
+    if not targets and not experts.layers:
         raise ValueError(f"{model_dir}: nothing to quantize: all {len(ignored)} linear layers are left "
                          f"alone (e.g. {ignored[0] if ignored else 'none found'}); loosen Fp8Config.ignore")
     swap_linears(model, targets, config, "meta", dtype)
     slots, alias_of, computed = model_slots(model)
+    experts.add_slots(slots)
     for name in keep_fp32_names(model, slots):
         slots[name].keep_fp32 = slots[name].kind == "param"
     by_file, skipped = _source_map(model_dir, files, slots, alias_of, computed,
-                                   getattr(model, "base_model_prefix", "") or "")
-    rows = _stream(by_file, slots, device, dtype, measure_error)
+                                   getattr(model, "base_model_prefix", "") or "", experts)
+    rows = _stream(by_file, slots, device, dtype, measure_error, experts)
     _finish(model, device, str(model_dir))
-    report = _report(model, rows, ignored, str(model_dir), device, dtype, config)
+    report = _report(model, rows, ignored + experts.ignored, str(model_dir), device, dtype, config)
+    add_experts(report, model, experts.rows)
     report.skipped_tensors = skipped
     report.files = [p.name for p in files]
     report.load_s = time.perf_counter() - start
@@ -256,7 +273,7 @@ def quantize_(model: nn.Module, config: Fp8Config | None = None, *,
     start = time.perf_counter()
     config = config or Fp8Config()
     targets, ignored = target_linears(model, config)
-    if not targets and not any(isinstance(m, Fp8Linear) for m in model.modules()):
+    if not targets and not any(isinstance(m, (Fp8Linear, Fp8Experts)) or is_experts(m) for m in model.modules()):
         raise ValueError(f"quantize_: nothing to quantize in {type(model).__name__}: all {len(ignored)} "
                          "linear layers are left alone; loosen Fp8Config.ignore")
     rows: list[LayerRow] = []
@@ -277,6 +294,8 @@ def quantize_(model: nn.Module, config: Fp8Config | None = None, *,
         set_submodule(model, name, layer)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1),
                  torch.bfloat16)
-    report = _report(model, rows, ignored, type(model).__name__, device, dtype, config)
+    expert_rows, expert_ignored = quantize_experts_(model, config, measure_error)
+    report = _report(model, rows, ignored + expert_ignored, type(model).__name__, device, dtype, config)
+    add_experts(report, model, expert_rows)
     report.load_s = time.perf_counter() - start
     return report

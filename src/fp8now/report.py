@@ -33,6 +33,22 @@ class LayerRow:
 
 
 @dataclass
+class ExpertsRow:
+    """One quantized MoE experts module: E experts of hidden H and intermediate I; per-expert weight
+    SQNR (each expert's worse matrix), the minimum and the median over the experts."""
+
+    name: str
+    num_experts: int
+    hidden: int
+    intermediate: int
+    scheme: str
+    backend: str
+    bias: bool
+    min_sqnr_db: float | None
+    median_sqnr_db: float | None
+
+
+@dataclass
 class LoadReport:
     """Filled by `load` and `quantize_`.
 
@@ -50,6 +66,7 @@ class LoadReport:
     dtype: str
     scheme: str
     layers: list[LayerRow] = field(default_factory=list)
+    experts: list[ExpertsRow] = field(default_factory=list)
     ignored: list[tuple[str, str]] = field(default_factory=list)
     skipped_tensors: list[tuple[str, str]] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
@@ -76,6 +93,9 @@ class LoadReport:
                            for i, (x, w) in enumerate(zip(line, widths))).rstrip()
                  for line in (head, *rows)]
         lines.insert(1, "-" * len(lines[0]))
+        lines += [f"experts: {r.name} E={r.num_experts} H={r.hidden} I={r.intermediate} {r.scheme} "
+                  f"{r.backend} bias={'yes' if r.bias else 'no'} SQNR dB min {_num(r.min_sqnr_db, '{:.1f}')} "
+                  f"median {_num(r.median_sqnr_db, '{:.1f}')}" for r in self.experts]
         lines += [f"left alone: {name} ({why})" for name, why in self.ignored]
         lines += [f"skipped checkpoint tensor: {name} ({why})" for name, why in self.skipped_tensors]
         return "\n".join(lines + self.summary_lines())
@@ -108,6 +128,10 @@ class LoadReport:
         out = asdict(self)
         for row in out["layers"]:
             for key in ("sqnr_db", "rel_diff"):
+                if row[key] is not None and not math.isfinite(row[key]):
+                    row[key] = None
+        for row in out["experts"]:
+            for key in ("min_sqnr_db", "median_sqnr_db"):
                 if row[key] is not None and not math.isfinite(row[key]):
                     row[key] = None
         out["ignored"] = [list(x) for x in self.ignored]

@@ -1,0 +1,170 @@
+"""Streaming load of MoE experts: checkpoint tensors -> fused experts params -> Fp8Experts, per layer.
+
+Most families store experts one by one on disk (`mlp.experts.3.gate_proj.weight`, Mixtral's
+`block_sparse_moe.experts.3.w1.weight`); transformers merges them at load with its own conversion
+rules (`get_model_conversion_mapping`), and so do we: a key is renamed by those rules, and the
+per-expert tensors of a fused parameter wait on the host until all experts of the layer arrived;
+then transformers' converter builds the fused tensor, and the layer is quantized at once.
+"""
+
+from __future__ import annotations
+
+import re
+from copy import deepcopy
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import Fp8Config
+from .checkpoint import ST_DTYPES
+from .hf import Slot, set_submodule
+from .hf_moe import (BIAS_LEAVES, FUSED_LEAVES, ExpertsLayout, empty_fp8_experts, experts_layout, experts_row,
+                     hf_to_fused, target_experts)
+from .linear import check_float_weight
+from .moe import Fp8Experts
+from .report import ExpertsRow
+
+
+def _natural(key: str) -> tuple:
+    """Sort key that orders `experts.10` after `experts.9`."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split("."))
+
+
+def hf_shapes(layer: Fp8Experts, layout: ExpertsLayout) -> dict[str, tuple[int, ...]]:
+    """The transformers parameter shapes of a swapped experts module, by leaf name."""
+    e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
+    shapes = {"gate_up_proj": (e, h, 2 * i) if layout.transposed else (e, 2 * i, h),
+              "down_proj": (e, i, h) if layout.transposed else (e, h, i)}
+    if layout.bias:
+        shapes.update(gate_up_proj_bias=(e, 2 * i), down_proj_bias=(e, h))
+    return shapes
+
+
+class ExpertsLoad:
+    """The experts of one `fp8now.load`: swapped to meta `Fp8Experts`, fed tensor by tensor."""
+
+    def __init__(self, model: nn.Module, config: Fp8Config) -> None:
+        targets, self.ignored = target_experts(model, config)
+        self.model = model
+        self.layers: dict[str, tuple[Fp8Experts, ExpertsLayout]] = {}
+        for name, module in targets.items():
+            layout = experts_layout(name, module)
+            layer = empty_fp8_experts(name, module, config, "meta")
+            set_submodule(model, name, layer)
+            self.layers[name] = (layer, layout)
+        self.fused = {f"{name}.{leaf}": (name, shape) for name, (layer, layout) in self.layers.items()
+                      for leaf, shape in hf_shapes(layer, layout).items()}
+        self.rules: tuple[list, list] | None = None
+        self.parts: dict[str, dict[str, list[str]]] = {}      # fused name -> source pattern -> keys
+        self.pattern_of: dict[str, str] = {}                  # checkpoint key -> its source pattern
+        self.converter_of: dict[str, object] = {}             # source pattern -> transformers converter
+        self.pending: dict[str, dict[str, object]] = {}       # layer -> fused leaf -> tensor or {key: tensor}
+        self.rows: list[ExpertsRow] = []
+        self._lookup: dict[str, bool] | None = None
+
+    def add_slots(self, slots: dict[str, Slot]) -> None:
+        """Replace the swapped layers' own FP8 params in `slots` by the transformers names they load from."""
+        for name in [n for n, s in slots.items() if isinstance(s.owner, Fp8Experts)]:
+            del slots[name]
+        for fused, (name, shape) in self.fused.items():
+            slots[fused] = Slot("experts", self.layers[name][0], fused.rsplit(".", 1)[1], shape)
+
+    def _rules(self) -> tuple[list, list]:
+        if self.rules is None:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+            transforms = get_model_conversion_mapping(self.model, add_legacy=False)
+            self.rules = ([t for t in transforms if isinstance(t, WeightRenaming)],
+                          [t for t in transforms if isinstance(t, WeightConverter)])
+            self.converter_of = {p: c for c in self.rules[1] for p in c.source_patterns}
+        return self.rules
+
+    def claim(self, key: str, path: Path, st_dtype: str, known: set[str], prefix: str
+              ) -> tuple[str | None, bool]:
+        """A key our names do not know, renamed by transformers' rules: (model name or None, is_part).
+
+        is_part: one of several tensors (e.g. one expert) that together make a fused experts param."""
+        from transformers.core_model_loading import rename_source_key
+
+        renamings, converters = self._rules()
+        if self._lookup is None:   # built once: a checkpoint may hold ~1e5 per-expert keys
+            self._lookup = dict.fromkeys(known | set(self.fused), True)
+        lookup = self._lookup
+        renamed, pattern = rename_source_key(key, renamings, converters, prefix or None, lookup)
+        if renamed not in lookup:
+            return None, False
+        if pattern is None:
+            return renamed, False
+        if renamed not in self.fused:
+            raise ValueError(f"{path}: tensor {key!r} merges into {renamed!r}, an experts module left in "
+                             "bf16 (Fp8Config.ignore); fp8now.load cannot merge per-expert tensors into an "
+                             "unquantized experts module yet: do not ignore these experts")
+        if ST_DTYPES.get(st_dtype) not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"{path}: tensor {key!r} has dtype {st_dtype}; expected BF16, F16 or F32")
+        self.parts.setdefault(renamed, {}).setdefault(pattern, []).append(key)
+        self.pattern_of[key] = pattern
+        return renamed, True
+
+    def check_parts(self, model_dir: Path) -> set[str]:
+        """Every merged param has all its experts (one key per expert and source pattern); -> those names."""
+        for fused, by_pattern in self.parts.items():
+            layer = self.layers[self.fused[fused][0]][0]
+            converter = self.converter_of[next(iter(by_pattern))]
+            for pattern in converter.source_patterns:
+                got = len(by_pattern.get(pattern, []))
+                if got != layer.num_experts:
+                    raise ValueError(f"{model_dir}: {fused} needs {layer.num_experts} tensors matching "
+                                     f"{pattern!r}, the checkpoint has {got}; it is incomplete or does not "
+                                     "match config.json (re-download it)")
+        return set(self.parts)
+
+    def add(self, fused: str, key: str, t: torch.Tensor, path: Path, device: torch.device,
+            dtype: torch.dtype, measure: bool) -> None:
+        """Keep `t` on the host; when the layer of `fused` is complete, quantize it and add its row."""
+        name, _ = self.fused[fused]
+        leaf = fused.rsplit(".", 1)[1]
+        held = self.pending.setdefault(name, {})
+        if fused in self.parts:
+            held.setdefault(leaf, {})[key] = t
+        else:
+            held[leaf] = t
+        layer, layout = self.layers[name]
+        leaves = hf_shapes(layer, layout)
+        if any(lf not in held or (f"{name}.{lf}" in self.parts and len(held[lf]) < sum(
+                len(v) for v in self.parts[f"{name}.{lf}"].values())) for lf in leaves):
+            return
+        tensors = {lf: self._merge(f"{name}.{lf}", held.pop(lf), path) for lf in leaves}
+        del self.pending[name]
+        for lf, shape in leaves.items():
+            check_float_weight(tensors[lf], f"{name}.{lf}", shape)
+        w13, w2, b13, b2 = hf_to_fused(layout, *(tensors.get(lf) for lf in (*FUSED_LEAVES, *BIAS_LEAVES)))
+        try:
+            layer.load_(w13.to(device), w2.to(device), *(None if b is None else b.to(device=device, dtype=dtype)
+                                                         for b in (b13, b2)))
+        except ValueError as e:
+            raise ValueError(f"{path}: experts {name}: {e}") from None
+        self.rows.append(experts_row(layer, w13, w2, measure))
+
+    def _merge(self, fused: str, held, path: Path) -> torch.Tensor:
+        """A fused tensor: as stored, or merged from its parts by transformers' own converter."""
+        if not isinstance(held, dict):
+            return held
+        converter = deepcopy(self.converter_of[self.pattern_of[next(iter(held))]])
+        for pattern in converter.source_patterns:
+            for key in sorted((k for k in held if self.pattern_of[k] == pattern), key=_natural):
+                converter.add_tensor(fused, key, pattern, held[key])
+        try:
+            out = converter.convert(fused, model=self.model, config=getattr(self.model, "config", None))
+        except (RuntimeError, ValueError) as e:
+            shapes = sorted({tuple(t.shape) for t in held.values()})
+            raise ValueError(f"{path}: the per-expert tensors of {fused} cannot be merged (shapes {shapes}: "
+                             f"{e}); the checkpoint does not match config.json") from None
+        if len(out) != 1:
+            raise ValueError(f"{path}: merging the experts of {fused} gave {sorted(out)}, not one tensor")
+        return next(iter(out.values()))
+
+    def unfinished(self) -> list[str]:
+        """Layers still waiting for tensors (none after a complete checkpoint)."""
+        return [n for n, (layer, _) in self.layers.items() if not layer.is_loaded]
