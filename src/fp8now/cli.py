@@ -7,8 +7,8 @@ Results go to stdout, progress bars and errors to stderr. An error is one line a
 from __future__ import annotations
 
 import argparse
-import json
-import math
+import contextlib
+import io
 import sys
 import time
 from collections import Counter
@@ -21,9 +21,11 @@ SAMPLE_TEMPERATURE = 0.7
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                        help="Hugging Face checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
+                        help="Hugging Face checkpoint folder or repo id (org/name, from the local Hugging Face "
+                        "cache or the Hub) (default: the embedded SmolLM2-135M-Instruct)")
     common.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     common.add_argument("--debug", action="store_true", help="show the traceback on errors")
+    common.add_argument("--json", action="store_true", help="print one JSON object (see fp8now.output)")
     p = argparse.ArgumentParser(prog="fp8now", description="Run bf16 LLM checkpoints in FP8, quantized "
                                 "while they load.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -42,12 +44,14 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-tokens", type=int, default=None, metavar="N", help="use only the first N tokens")
     ev.add_argument("--seq-len", type=int, default=512, metavar="L", help="window length (default: 512)")
     ev.add_argument("--batch-size", type=int, default=4, metavar="B", help="windows per forward (default: 4)")
-    ev.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    ev.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of per-layer SQNR")
+    ev.add_argument("--plot", default=None, metavar="PATH",
+                    help="write a PNG of mean KL and top-1 agreement per scheme, with standard errors")
+    ev.add_argument("--layers", action="store_true", help="also print every layer's weight SQNR")
 
     ins = sub.add_parser("inspect", parents=[common], help="load in FP8 and print the load report")
     ins.add_argument("--scheme", default="channel", help=scheme_help + " (default: channel)")
-    ins.add_argument("--json", action="store_true", help="print the load report as one JSON object")
+    ins.add_argument("--layers", action="store_true",
+                     help="print every layer (default: one summary row per projection type)")
     return p
 
 
@@ -92,17 +96,38 @@ def _load(args, measure_error: bool = True):
 
 
 def cmd_inspect(args) -> int:
+    from .evaluate import config_dict, scheme_config
+    from .output import dumps, envelope, format_inspect, projection_summary, scheme_entry
+
     key, model_dir, _, report = _load(args)
+    data = report.to_dict()
+    summary = projection_summary(data["layers"])
     if args.json:
-        print(json.dumps(_finite(report.to_dict()), allow_nan=False))
+        entry = scheme_entry(config_dict(scheme_config(key)[1]), data, {"summary": summary})
+        print(dumps(envelope("inspect", model_dir, report.device, {"layers": args.layers}, {key: entry})))
         return 0
     print(f"{model_dir} as FP8 ({key})")
-    print(report.format_table())
+    print(report.format_table() if args.layers else format_inspect(report, summary))
     print("\n".join(report.plan_lines()))
     return 0
 
 
 def cmd_run(args) -> int:
+    """Generate; with --json the text lines are dropped and one JSON object printed instead."""
+    with contextlib.redirect_stdout(io.StringIO()) if args.json else contextlib.nullcontext():
+        key, model_dir, report, generations = _run(args)
+    if args.json:
+        from .evaluate import config_dict, scheme_config
+        from .output import dumps, envelope, scheme_entry
+
+        options = {k: getattr(args, k) for k in ("scheme", "prompt", "max_new_tokens", "seed")}
+        entry = scheme_entry(config_dict(scheme_config(key)[1]), report.to_dict(), {"generations": generations})
+        print(dumps(envelope("run", model_dir, report.device, options, {key: entry})))
+    return 0
+
+
+def _run(args):
+    """The text output of `run`; returns (scheme key, model folder, load report, generation rows)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -119,17 +144,20 @@ def cmd_run(args) -> int:
                     return_tensors="pt").to(next(model.parameters()).device)
     print(f"model: {model_dir}  scheme: {key}  device: {report.device}")
     print(f"prompt: {args.prompt}")
+    generations = []
     runs = [("greedy", dict(do_sample=False)),
             (f"sampled (temperature {SAMPLE_TEMPERATURE}, seed {args.seed})",
              dict(do_sample=True, temperature=SAMPLE_TEMPERATURE, top_k=0, top_p=1.0))]
     for title, kwargs in runs:
         torch.manual_seed(args.seed)
         text, n, seconds = _generate(model, tokenizer, enc, args.max_new_tokens, kwargs)
+        generations.append({"mode": title.split(" ")[0], **kwargs, "seed": args.seed, "text": text,
+                            "new_tokens": n, "seconds": seconds, "tokens_per_s": n / seconds})
         print(f"\n--- {title}: {n} tokens in {seconds:.2f} s ({n / seconds:.1f} tokens/s)")
         print(text)
     print()
     print(_memory_summary(report))
-    return 0
+    return key, model_dir, report, generations
 
 
 def _generate(model, tokenizer, enc, max_new_tokens: int, kwargs: dict) -> tuple[str, int, float]:
@@ -156,7 +184,8 @@ def _memory_summary(report) -> str:
 
 
 def cmd_eval(args) -> int:
-    from .evaluate import bundled_text, evaluate, expand_schemes, plot_layer_errors
+    from .evaluate import bundled_text, evaluate, expand_schemes, plot_schemes
+    from .output import dumps, eval_envelope, format_eval
     from .models import resolve_model
 
     keys = expand_schemes([args.scheme])
@@ -175,57 +204,15 @@ def cmd_eval(args) -> int:
     results = evaluate(model_dir, keys, text, max_tokens=args.max_tokens, seq_len=args.seq_len,
                        device=device, batch_size=args.batch_size, text_name=name)
     if args.plot:
-        results["plot"] = str(plot_layer_errors(results, args.plot))
+        results["plot"] = str(plot_schemes(results, args.plot))
     if args.json:
-        print(json.dumps(_finite(results), allow_nan=False))
+        options = {k: getattr(args, k) for k in ("scheme", "text", "max_tokens", "seq_len", "batch_size")}
+        print(dumps(eval_envelope(results, options)))
         return 0
-    print(format_results(results))
+    print(format_eval(results, layers=args.layers))
     if args.plot:
-        print(f"\nper-layer SQNR plot: {results['plot']}")
+        print(f"\nKL and top-1 plot: {results['plot']}")
     return 0
-
-
-def _finite(obj):
-    """The results with NaN/inf floats as None, so the output is strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-def _table(head: tuple[str, ...], rows: list[tuple[str, ...]], right_from: int = 1) -> list[str]:
-    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    lines = ["  ".join(x.rjust(w) if i >= right_from else x.ljust(w) for i, (x, w) in enumerate(zip(r, widths)))
-             .rstrip() for r in (head, *rows)]
-    lines.insert(1, "-" * len(lines[0]))
-    return lines
-
-
-def format_results(results: dict) -> str:
-    """The summary table per scheme, then one row per layer with its weight SQNR under each scheme."""
-    t = results["text"]
-    schemes = results["schemes"]
-    lines = [f"model {results['model']} on {results['device']}; text {t['name']}: {t['tokens']} tokens "
-             f"in {t['windows']} windows of <= {t['seq_len']} ({t['predicted']} predictions)", ""]
-    rows = [(k, f"{r['ppl_bf16']:.4f}", f"{r['ppl_fp8']:.4f}", f"{r['ppl_delta_pct']:+.3f}",
-             f"{r['kl']:.3e}", f"{100 * r['top1']:.2f}%") for k, r in schemes.items()]
-    lines += _table(("scheme", "ppl bf16", "ppl fp8", "delta %", "KL(bf16||fp8)", "top-1"), rows)
-    lines += ["", "per-layer weight error (SQNR dB of the dequantized FP8 weight; higher is better)"]
-    keys = list(schemes)
-    names = [r["name"] for r in schemes[keys[0]]["layers"]]
-    by_key = {k: {r["name"]: r for r in schemes[k]["layers"]} for k in keys}
-    layer_rows = [(name, *(_db(by_key[k].get(name)) for k in keys)) for name in names]
-    lines += _table(("layer", *keys), layer_rows)
-    return "\n".join(lines)
-
-
-def _db(row: dict | None) -> str:
-    if row is None:
-        return "-"
-    return "inf" if row["sqnr_db"] is None else f"{row['sqnr_db']:.1f}"
 
 
 if __name__ == "__main__":

