@@ -188,14 +188,14 @@ def test_bare_fp8_is_one_line_listing_each_tools_meaning(tiny_dir, capsys):
 
 
 def test_inspect_names_each_layers_kernel_path(tiny_dir):
-    """`inspect --json` prints the report's `to_dict()` (strict JSON), whose layer rows map 1, 16 and
+    """`inspect --json` holds the report's `to_dict()` (strict JSON), whose layer rows map 1, 16 and
     4096 tokens per call to the path that layer's calls run (on CPU: the exact reference, numerics'
     quantizer); the text output lists the same paths."""
     run = lambda *a: subprocess.run([sys.executable, "-m", "fp8now.cli", "inspect", str(tiny_dir),  # noqa: E731
                                      "--device", "cpu", *a], capture_output=True, text=True, timeout=300)
     proc = run("--scheme", "block", "--json")
     assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
+    report = json.loads(proc.stdout)["schemes"]["block"]["report"]
     assert report["scheme"] == "block" and report["layers"]
     for row in report["layers"]:
         assert row["backend"] == "reference"
