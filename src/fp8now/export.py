@@ -21,12 +21,13 @@ from .checkpoint import INDEX_NAME, SINGLE_NAME
 from .config import Fp8Config
 from .formats import SCALE_LEAF, check_expressible, check_format, quantization_config
 from .linear import Fp8Linear
+from .models import STAMP_FILE
 
 MAX_SHARD_BYTES = 5 * 10**9
-# Files of a checkpoint folder that are weights or rewritten here; everything else (tokenizer,
+# Files of a checkpoint folder that are weights, rewritten here or fp8now's own; everything else (tokenizer,
 # generation config, chat template, licence) is copied as is.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
-_REWRITTEN = ("config.json", INDEX_NAME)
+_REWRITTEN = ("config.json", INDEX_NAME, STAMP_FILE)   # STAMP_FILE: the embedded model's cache stamp
 
 Tensors = Iterator[tuple[str, torch.Tensor]]
 
@@ -140,7 +141,7 @@ def save(model: nn.Module, out_dir: str | Path, format: str = "compressed-tensor
         raise ValueError(f"{type(model).__name__} has no FP8 layers: load it with fp8now.load (or quantize_) "
                          "before saving")
     for (scheme, act), names in groups.items():
-        check_expressible(fmt, scheme, act, names[0])
+        check_expressible(fmt, scheme, act, f"layer {names[0]}")
     qconfig = quantization_config(fmt, groups, left)
     shards = _shards(_named_tensors(model, fmt), max_shard_bytes)
     if source is None:
@@ -164,7 +165,9 @@ def save(model: nn.Module, out_dir: str | Path, format: str = "compressed-tensor
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         mask = os.umask(0)
         os.umask(mask)
-        os.chmod(tmp, 0o777 & ~mask)   # mkdtemp made it private
+        os.chmod(tmp, 0o777 & ~mask)   # mkdtemp (and safetensors) made them private
+        for path in tmp.iterdir():
+            os.chmod(path, 0o666 & ~mask)
         if out_dir.exists():
             out_dir.rmdir()
         os.replace(tmp, out_dir)
@@ -174,16 +177,22 @@ def save(model: nn.Module, out_dir: str | Path, format: str = "compressed-tensor
     return out_dir
 
 
+def check_export(config: Fp8Config, format: str, out_dir: str | Path) -> str:
+    """The checks `quantize` makes before loading anything: format name, scheme it can state, free target."""
+    fmt = check_format(format)
+    check_expressible(fmt, config.scheme, config.act_kind(), "the requested scheme")
+    _check_target(Path(out_dir))
+    return fmt
+
+
 def quantize(model_dir: str | Path, out_dir: str | Path, config: Fp8Config | None = None,
-             format: str = "compressed-tensors", *, device: torch.device | str | None = "cpu",
+             format: str = "compressed-tensors", *, device: torch.device | str | None = None,
              max_shard_bytes: int = MAX_SHARD_BYTES):
     """Quantize a bf16 checkpoint while loading it (fp8now.load) and save it in `format`: returns
     (out_dir, load report). The format is checked against the scheme before anything is loaded."""
     from .loader import load
 
     config = config or Fp8Config()
-    fmt = check_format(format)
-    check_expressible(fmt, config.scheme, config.act_kind(), "every quantized layer")
-    _check_target(Path(out_dir))
+    fmt = check_export(config, format, out_dir)
     model, report = load(model_dir, config, device=device, measure_error=False)
     return save(model, out_dir, fmt, source=model_dir, max_shard_bytes=max_shard_bytes), report

@@ -39,13 +39,13 @@ def check_format(fmt: str) -> str:
     return fmt
 
 
-def check_expressible(fmt: str, scheme: Scheme, act: str, layer: str) -> None:
+def check_expressible(fmt: str, scheme: Scheme, act: str, what: str) -> None:
     """Raise when format `fmt` has no way to state `scheme` weights with `act` activations."""
     if (scheme, act) in EXPRESSIBLE[fmt]:
         return
     can = ", ".join(sorted(f"{s.value} weights + per-{a} activations" for s, a in EXPRESSIBLE[fmt]))
-    raise ValueError(f"format {fmt!r} cannot express layer {layer} ({scheme.value} weights with per-{act} "
-                     f"activations); it can express: {can}. Use --format compressed-tensors"
+    raise ValueError(f"format {fmt!r} cannot express {what}: {scheme.value} weights with per-{act} "
+                     f"activations; it can express: {can}. Use --format compressed-tensors"
                      + (" or another --scheme" if fmt == "compressed-tensors" else ""))
 
 
