@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(compressed-tensors or transformers' fp8) for vLLM, SGLang or transformers")
     qz.add_argument("--scheme", default="channel", help=scheme_help + " (default: channel)")
     qz.add_argument("--format", default="compressed-tensors", choices=("compressed-tensors", "fp8"),
-                    help="compressed-tensors (every scheme; default) or fp8 (tensor and block only)")
+                    help="compressed-tensors (every scheme; default) or fp8 (block only)")
     qz.add_argument("--out", required=True, metavar="DIR", help="new folder to write (must not exist)")
     return p
 

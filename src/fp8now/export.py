@@ -36,7 +36,7 @@ def _linear_tensors(prefix: str, layer: Fp8Linear, fmt: str) -> Tensors:
     """An Fp8Linear's on-disk tensors: FP8 weight, float32 scale under the format's name, bias."""
     scale = layer.weight_scale.detach()
     if scale.ndim == 0:
-        scale = scale.reshape(1) if fmt == "compressed-tensors" else scale   # CT: [1]; transformers: []
+        scale = scale.reshape(1)   # compressed-tensors' per-tensor shape
     yield prefix + "weight", layer.weight.detach()
     yield prefix + SCALE_LEAF[fmt], scale.float()
     if layer.bias is not None:
@@ -125,9 +125,9 @@ def save(model: nn.Module, out_dir: str | Path, format: str = "compressed-tensor
          source: str | Path | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Write an fp8now model as an FP8 checkpoint folder readable by transformers, vLLM and SGLang.
 
-    format: "compressed-tensors" (every scheme) or "fp8" (transformers' FineGrainedFP8: tensor and block
-    only). `source`: the folder the model came from, for its tokenizer and generation files (default:
-    the config's `_name_or_path`). Shards hold at most `max_shard_bytes`, with an index when several.
+    format: "compressed-tensors" (every scheme) or "fp8" (transformers' FineGrainedFP8: block only).
+    `source`: the folder the model came from, for its tokenizer and generation files (default: the
+    config's `_name_or_path`). Shards hold at most `max_shard_bytes`, with an index when several.
     """
     from safetensors.torch import save_file
 

@@ -4,8 +4,9 @@ and its tensor names. export.py writes them, prequantized.py reads them.
 compressed-tensors (`quant_method: "compressed-tensors"`, format `float-quantized`): `X.weight` F8_E4M3 and
 `X.weight_scale` `[1]` / `[N, 1]` / `[ceil(N/128), ceil(K/128)]`; activations described per config group.
 transformers' "fp8" (`quant_method: "fp8"`): `X.weight` and `X.weight_scale_inv` (the dequantization
-multiplier despite its name): per-tensor (`weight_block_size: null`, scale `[]`) or 128x128 blocks; its
-dynamic activations are per token (per-tensor weights) or per 1x128 group (blocks). No per-channel form.
+multiplier despite its name), 128x128 blocks with dynamic 1x128-group activations. No per-channel form;
+per-tensor files (`weight_block_size: null`) are read, not written: transformers names their scale
+`weight_scale_inv` (shape `[]`), vLLM and SGLang `weight_scale`.
 """
 
 from __future__ import annotations
@@ -28,8 +29,12 @@ _CT_ACT = {"token": "token", "tensor": "tensor", "group": "group"}
 EXPRESSIBLE: dict[str, frozenset[tuple[Scheme, str]]] = {
     "compressed-tensors": frozenset({(Scheme.TENSOR, "token"), (Scheme.TENSOR, "tensor"),
                                      (Scheme.CHANNEL, "token"), (Scheme.BLOCK, "group")}),
-    "fp8": frozenset({(Scheme.TENSOR, "token"), (Scheme.BLOCK, "group")}),
+    # Per-tensor "fp8" files exist in two spellings that the readers do not share (transformers reads
+    # `weight_scale_inv`, vLLM and SGLang `weight_scale`), so only blocks are written in this format.
+    "fp8": frozenset({(Scheme.BLOCK, "group")}),
 }
+_WHY_NOT = {"fp8": " (it has no per-channel form, and its per-tensor files are named differently by transformers "
+                   "and by vLLM/SGLang)", "compressed-tensors": ""}
 
 
 def check_format(fmt: str) -> str:
@@ -45,8 +50,8 @@ def check_expressible(fmt: str, scheme: Scheme, act: str, what: str) -> None:
         return
     can = ", ".join(sorted(f"{s.value} weights + per-{a} activations" for s, a in EXPRESSIBLE[fmt]))
     raise ValueError(f"format {fmt!r} cannot express {what}: {scheme.value} weights with per-{act} "
-                     f"activations; it can express: {can}. Use --format compressed-tensors"
-                     + (" or another --scheme" if fmt == "compressed-tensors" else ""))
+                     f"activations; it can express: {can}{_WHY_NOT[fmt]}. Use "
+                     + ("another --scheme" if fmt == "compressed-tensors" else "--format compressed-tensors"))
 
 
 def _ct_args(strategy: str, dynamic: bool, **extra) -> dict:
