@@ -53,3 +53,14 @@ def test_import_fp8now_stays_light():
             "fp8now.TransformersConfig; assert 'fp8now' in m; print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_a_door_model_saves_with_fp8now_save(tiny_dirs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(
+        str(tiny_dirs["qwen2"]), dtype=torch.bfloat16, quantization_config=fp8now.TransformersConfig(scheme="block"))
+    out = fp8now.save(theirs, tmp_path / "out", "fp8")
+    again, _ = fp8now.load(out, device="cpu")
+    a, b = theirs.state_dict(), again.state_dict()
+    assert a.keys() == b.keys() and all(same_bytes(a[k], b[k]) for k in a)
