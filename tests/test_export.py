@@ -134,6 +134,10 @@ def test_a_scheme_the_format_cannot_state_raises_before_writing(tiny_dir, tmp_pa
         save(tensor, tmp_path / "out", "fp8")
     with pytest.raises(ValueError, match="unknown checkpoint format 'gguf'"):
         save(model, tmp_path / "out", "gguf")
+    empty = Fp8Linear(192, 64, config=Fp8Config(), device="meta", name="model.layers.0.self_attn.k_proj")
+    model.model.layers[0].self_attn.k_proj = empty
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.k_proj has no weight yet"):
+        save(model, tmp_path / "out")
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="taken already exists"):

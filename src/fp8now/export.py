@@ -71,7 +71,10 @@ def _named_tensors(model: nn.Module, fmt: str) -> list[tuple[str, torch.Tensor]]
         prefix = f"{name}." if name else ""
         writer = WRITERS.get(type(module))
         if writer is not None:
-            out += list(writer(prefix, module, fmt))
+            written = list(writer(prefix, module, fmt))
+            if any(t.is_meta for _, t in written):
+                raise ValueError(f"{name} has no weight yet (meta device): load the model fully before saving")
+            out += written
             skip = (prefix,)
             continue
         own = [(leaf, p) for leaf, p in module._parameters.items() if p is not None]
