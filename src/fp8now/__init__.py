@@ -1,6 +1,7 @@
 """fp8now: run bf16/fp16 LLM checkpoints in FP8, quantized while they load."""
 
 from .config import Fp8Config, Scheme
+from .export import save
 from .linear import Fp8Linear
 from .moe import Fp8Experts
 from .loader import load, quantize_
@@ -10,6 +11,15 @@ from .report import LoadReport
 
 __all__ = [
     "Fp8Config", "Fp8Experts", "Fp8Linear", "LoadReport", "Scheme", "load", "quantize_", "reload_weights",
-    "dequantize", "quantize_activation", "quantize_weight", "rel_diff", "sqnr",
+    "dequantize", "quantize_activation", "quantize_weight", "rel_diff", "sqnr", "save", "TransformersConfig",
 ]
+
+
+def __getattr__(name: str):
+    """`TransformersConfig` imports transformers and registers fp8now with it: done on first use only."""
+    if name == "TransformersConfig":
+        from .door import TransformersConfig
+
+        return TransformersConfig
+    raise AttributeError(f"module 'fp8now' has no attribute {name!r}")
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""`fp8now run | eval | inspect`: every command defaults to the embedded SmolLM2-135M-Instruct.
+"""`fp8now run | eval | inspect | quantize`: every command defaults to the embedded SmolLM2-135M-Instruct.
 
 Results go to stdout, progress bars and errors to stderr. An error is one line and exit status 1
 (`--debug` shows the traceback).
@@ -52,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("--scheme", default="channel", help=scheme_help + " (default: channel)")
     ins.add_argument("--layers", action="store_true",
                      help="print every layer (default: one summary row per projection type)")
+    qz = sub.add_parser("quantize", parents=[common], help="quantize while loading, save an FP8 checkpoint "
+                        "(compressed-tensors or transformers' fp8) for vLLM, SGLang or transformers")
+    qz.add_argument("--scheme", default="channel", help=scheme_help + " (default: channel)")
+    qz.add_argument("--format", default="compressed-tensors", choices=("compressed-tensors", "fp8"),
+                    help="compressed-tensors (every scheme; default) or fp8 (block only)")
+    qz.add_argument("--out", required=True, metavar="DIR", help="new folder to write (must not exist)")
     return p
 
 
@@ -59,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `fp8now` command; returns the exit status."""
     args = _parser().parse_args(argv)
     try:
-        return {"run": cmd_run, "eval": cmd_eval, "inspect": cmd_inspect}[args.command](args)
+        return {"run": cmd_run, "eval": cmd_eval, "inspect": cmd_inspect,
+                "quantize": cmd_quantize}[args.command](args)
     except KeyboardInterrupt:
         print("fp8now: interrupted", file=sys.stderr)
         return 130
@@ -109,6 +116,19 @@ def cmd_inspect(args) -> int:
     print(f"{model_dir} as FP8 ({key})")
     print(report.format_table() if args.layers else format_inspect(report, summary))
     print("\n".join(report.plan_lines()))
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    from .evaluate import scheme_config
+    from .export import check_export, quantize
+    from .models import resolve_model
+
+    key, config = scheme_config(args.scheme)
+    check_export(config, args.format, args.out)   # before converting or loading anything
+    out, report = quantize(resolve_model(args.model), args.out, config, args.format, device=_device(args.device))
+    print(f"wrote {out} ({args.format}): {len(report.layers)} layers in FP8 ({key}), "
+          f"{len(report.ignored)} left in high precision")
     return 0
 
 

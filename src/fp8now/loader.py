@@ -220,6 +220,9 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
         torch.cuda.reset_peak_memory_stats(device)
         at_start = torch.cuda.memory_allocated(device)
     model_dir = Path(model_dir)
+    from .prequantized import load_prequantized, prequantized_config  # FP8 checkpoints: loaded as they are
+    if (quantization := prequantized_config(model_dir)) is not None:
+        return load_prequantized(model_dir, quantization, config, device, dtype)
     model = build_skeleton(model_dir, dtype)
     files = checkpoint_files(model_dir)
     targets, ignored = target_linears(model, config)

@@ -1,0 +1,201 @@
+"""Write an FP8 model as a standard checkpoint (compressed-tensors or transformers' "fp8"), shard by shard.
+
+Every check runs before the first byte is written; files go to a hidden sibling folder that is renamed
+into place at the end, so `out_dir` appears complete or not at all. Scales are stored as float32, the
+exact values the FP8 bytes were computed with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoint import INDEX_NAME, SINGLE_NAME
+from .config import Fp8Config
+from .formats import SCALE_LEAF, check_expressible, check_format, quantization_config
+from .linear import Fp8Linear
+from .models import STAMP_FILE
+
+MAX_SHARD_BYTES = 5 * 10**9
+# Files of a checkpoint folder that are weights, rewritten here or fp8now's own; everything else (tokenizer,
+# generation config, chat template, licence) is copied as is.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
+_REWRITTEN = ("config.json", INDEX_NAME, STAMP_FILE)   # STAMP_FILE: the embedded model's cache stamp
+
+Tensors = Iterator[tuple[str, torch.Tensor]]
+
+
+def _linear_tensors(prefix: str, layer: Fp8Linear, fmt: str) -> Tensors:
+    """An Fp8Linear's on-disk tensors: FP8 weight, float32 scale under the format's name, bias."""
+    scale = layer.weight_scale.detach()
+    if scale.ndim == 0:
+        scale = scale.reshape(1)   # compressed-tensors' per-tensor shape
+    yield prefix + "weight", layer.weight.detach()
+    yield prefix + SCALE_LEAF[fmt], scale.float()
+    if layer.bias is not None:
+        yield prefix + "bias", layer.bias.detach()
+
+
+# Module type -> its tensors on disk. MoE experts (issue 25) add their writer here: per expert under the
+# family's names (`experts.{e}.gate_proj.weight`, ...), with the (scheme, act) pairs from `_quantized`.
+WRITERS: dict[type, Callable[[str, nn.Module, str], Tensors]] = {Fp8Linear: _linear_tensors}
+
+
+def _quantized(model: nn.Module) -> tuple[dict[tuple, list[str]], list[str]]:
+    """FP8 modules grouped by (scheme, activation kind), and the float linears left alone."""
+    groups: dict[tuple, list[str]] = {}
+    left: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear):
+            groups.setdefault((module.scheme, module.act_kind), []).append(name)
+        elif isinstance(module, nn.Linear):
+            left.append(name)
+    return groups, left
+
+
+def _named_tensors(model: nn.Module, fmt: str) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor to write, in module order; tied tensors once (first name); no data is copied."""
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    skip: tuple[str, ...] = ()
+    for name, module in model.named_modules():
+        if skip and name.startswith(skip):
+            continue
+        prefix = f"{name}." if name else ""
+        writer = WRITERS.get(type(module))
+        if writer is not None:
+            written = list(writer(prefix, module, fmt))
+            if any(t.is_meta for _, t in written):
+                raise ValueError(f"{name} has no weight yet (meta device): load the model fully before saving")
+            out += written
+            skip = (prefix,)
+            continue
+        own = [(leaf, p) for leaf, p in module._parameters.items() if p is not None]
+        own += [(leaf, b) for leaf, b in module._buffers.items()
+                if b is not None and leaf not in module._non_persistent_buffers_set]
+        for leaf, t in own:
+            if t.is_meta:
+                raise ValueError(f"{prefix}{leaf} is on the meta device: load the model fully before saving")
+            if t.dtype.itemsize == 1 and t.is_floating_point():
+                raise ValueError(f"{type(module).__name__} {name} holds FP8 tensor {leaf!r} and fp8now has no "
+                                 "writer for it yet (MoE experts: issue 25); it cannot be exported")
+            if id(t) not in seen:
+                seen.add(id(t))
+                out.append((prefix + leaf, t.detach()))
+    return out
+
+
+def _shards(tensors: list[tuple[str, torch.Tensor]], max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of at most `max_bytes` each (a larger single tensor gets a shard of its own)."""
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for key, t in tensors:
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((key, t))
+        size += n
+    return shards
+
+
+def _copy_side_files(source: Path | None, dest: Path) -> list[str]:
+    """Copy tokenizer, generation and other non-weight files of `source` into `dest`."""
+    if source is None or not source.is_dir():
+        return []
+    copied = []
+    for path in sorted(source.iterdir()):
+        if path.is_file() and not path.name.startswith(".") and path.name not in _REWRITTEN \
+                and not path.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(path, dest / path.name)
+            copied.append(path.name)
+    return copied
+
+
+def _check_target(out_dir: Path) -> None:
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise FileExistsError(f"{out_dir} already exists and is not an empty folder; choose a new --out path")
+
+
+def save(model: nn.Module, out_dir: str | Path, format: str = "compressed-tensors", *,
+         source: str | Path | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write an fp8now model as an FP8 checkpoint folder readable by transformers, vLLM and SGLang.
+
+    format: "compressed-tensors" (every scheme) or "fp8" (transformers' FineGrainedFP8: block only).
+    `source`: the folder the model came from, for its tokenizer and generation files (default: the
+    config's `_name_or_path`). Shards hold at most `max_shard_bytes`, with an index when several.
+    """
+    from safetensors.torch import save_file
+
+    fmt = check_format(format)
+    out_dir = Path(out_dir)
+    _check_target(out_dir)
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    groups, left = _quantized(model)
+    if not groups:
+        raise ValueError(f"{type(model).__name__} has no FP8 layers: load it with fp8now.load (or quantize_) "
+                         "before saving")
+    for (scheme, act), names in groups.items():
+        check_expressible(fmt, scheme, act, f"layer {names[0]}")
+    qconfig = quantization_config(fmt, groups, left)
+    shards = _shards(_named_tensors(model, fmt), max_shard_bytes)
+    if source is None:
+        source = getattr(getattr(model, "config", None), "_name_or_path", None) or None
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        _copy_side_files(Path(source) if source else None, tmp)
+        model.config.save_pretrained(tmp)
+        config = json.loads((tmp / "config.json").read_text())
+        config["quantization_config"] = qconfig
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        weight_map: dict[str, str] = {}
+        for i, shard in enumerate(shards):
+            fname = SINGLE_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file({k: t.contiguous().cpu() for k, t in shard}, str(tmp / fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k, _ in shard})
+        if len(shards) > 1:
+            total = sum(t.numel() * t.element_size() for shard in shards for _, t in shard)
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o777 & ~mask)   # mkdtemp (and safetensors) made them private
+        for path in tmp.iterdir():
+            os.chmod(path, 0o666 & ~mask)
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def check_export(config: Fp8Config, format: str, out_dir: str | Path) -> str:
+    """The checks `quantize` makes before loading anything: format name, scheme it can state, free target."""
+    fmt = check_format(format)
+    check_expressible(fmt, config.scheme, config.act_kind(), "the requested scheme")
+    _check_target(Path(out_dir))
+    return fmt
+
+
+def quantize(model_dir: str | Path, out_dir: str | Path, config: Fp8Config | None = None,
+             format: str = "compressed-tensors", *, device: torch.device | str | None = None,
+             max_shard_bytes: int = MAX_SHARD_BYTES):
+    """Quantize a bf16 checkpoint while loading it (fp8now.load) and save it in `format`: returns
+    (out_dir, load report). The format is checked against the scheme before anything is loaded."""
+    from .loader import load
+
+    config = config or Fp8Config()
+    fmt = check_export(config, format, out_dir)
+    model, report = load(model_dir, config, device=device, measure_error=False)
+    return save(model, out_dir, fmt, source=model_dir, max_shard_bytes=max_shard_bytes), report
