@@ -6,6 +6,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .config import Fp8Config
 from .linear import Fp8Linear
@@ -25,26 +27,85 @@ if TYPE_CHECKING:
 _ROUTER_LEAVES = ("gate", "router", "shared_expert_gate")
 
 
+class _MetaThreads(threading.local):
+    """Per-thread switch read by the one parameter-registration hook below."""
+
+    active: bool = False
+
+
+_META = _MetaThreads()
+_HOOK_LOCK = threading.Lock()
+_hook_handle = None
+
+
+def _meta_parameter(module: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter | None:
+    """A meta copy of `param` when this thread is building a skeleton; None (no change) elsewhere."""
+    if not _META.active or param.is_meta:
+        return None
+    return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+
+
+def _install_hook() -> None:
+    """Register `_meta_parameter` with torch once per process; it stays, inert outside `parameters_on_meta`.
+
+    Registered once and never removed, so no load changes the hook table another thread may be
+    iterating, and no patch of `nn.Module` can be restored out of order by a concurrent load.
+    """
+    global _hook_handle
+    with _HOOK_LOCK:
+        if _hook_handle is None:
+            _hook_handle = nn.modules.module.register_module_parameter_registration_hook(_meta_parameter)
+
+
+_install_hook()
+
+
 @contextmanager
 def parameters_on_meta() -> Iterator[None]:
-    """Inside this block every registered parameter is moved to the meta device; buffers stay real.
+    """Inside this block, parameters registered by this thread move to meta; buffers stay real.
 
-    Parameters are first created (uninitialized) where their module asks, then replaced by a meta
-    tensor of the same shape and dtype, so initializers run on meta and cost nothing. Buffers such as
-    RoPE `inv_freq` are computed normally and keep their dtype (float32).
+    Thread-local: modules other threads build meanwhile are untouched. Parameters are first created
+    (uninitialized) where their module asks, then replaced by a meta tensor of the same shape and
+    dtype, so initializers run on meta and cost nothing. Buffers such as RoPE `inv_freq` are computed
+    normally and keep their dtype (float32).
     """
-    original = nn.Module.register_parameter
-
-    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
-            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        original(self, name, param)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    outer = _META.active
+    _META.active = True
     try:
         yield
     finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
+        _META.active = outer
+
+
+# Factory functions that, without a `dtype`, create floats in torch's default dtype.
+_DEFAULT_DTYPE_FACTORIES = frozenset({
+    torch.empty, torch.empty_strided, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn,
+    torch.arange, torch.linspace, torch.logspace, torch.eye, torch.tensor, torch.as_tensor,
+    torch.scalar_tensor,
+})
+
+
+class _DefaultDtype(TorchFunctionMode):
+    """A thread-local stand-in for `torch.set_default_dtype(dtype)`, which is process-wide.
+
+    transformers builds a model in its dtype by setting torch's default dtype for the whole process,
+    so modules other threads create meanwhile would change dtype. Under this mode (a per-thread
+    torch-function mode) a float that a factory call creates in the default dtype, with no `dtype`
+    and no tensor argument, comes out in `dtype` instead; nothing outside this thread is touched.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if (func in _DEFAULT_DTYPE_FACTORIES and kwargs.get("dtype") is None
+                and isinstance(out, torch.Tensor) and out.dtype == torch.get_default_dtype()
+                and not any(isinstance(a, torch.Tensor) for a in args)):
+            out = out.to(self.dtype)
+        return out
 
 
 def read_config(model_dir: Path) -> PretrainedConfig:
@@ -82,8 +143,9 @@ def build_skeleton(model_dir: Path, dtype: torch.dtype) -> nn.Module:
         archs = ", ".join(getattr(config, "architectures", None) or []) or "none listed"
         raise ValueError(f"{model_dir / 'config.json'}: model_type {config.model_type!r} (architectures: "
                          f"{archs}) has no causal-LM class in transformers; fp8now loads decoder LLMs")
-    with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with parameters_on_meta(), _DefaultDtype(dtype):
+        model = AutoModelForCausalLM.from_config(config, dtype=None)  # None: no torch.set_default_dtype
+    config.dtype = dtype
     if getattr(config, "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
         model.tie_weights()
     return model
