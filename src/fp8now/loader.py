@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .config import Fp8Config
+from .finite import FiniteCheck
 from .hf import (ST_DTYPES, Slot, build_skeleton, checkpoint_files, corrupt_error, index_map,
                  keep_fp32_names, model_slots, resolve_name, scan_headers, set_submodule, swap_linears,
                  target_linears)
@@ -21,6 +22,7 @@ from .linear import Fp8Linear, check_float_weight
 from .report import LayerRow, LoadReport, peak_host_rss_bytes, tensor_bytes, weight_error
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MAP_BUDGET_BYTES = 128 << 20  # checkpoint bytes read through one mapping before it is dropped
 
 
 def _source_map(model_dir: Path, files: list[Path], slots: dict[str, Slot], alias_of: dict[str, str],
@@ -93,71 +95,101 @@ def _check_header(slot: Slot, key: str, path: Path, shape: tuple[int, ...], st_d
 
 
 def _quantize_layer(layer: Fp8Linear, parts: dict[str, tuple[torch.Tensor, Path, str]],
-                    device: torch.device, dtype: torch.dtype, measure: bool) -> LayerRow:
+                    device: torch.device, dtype: torch.dtype, measure: bool, finite: FiniteCheck) -> LayerRow:
     """Move a complete layer to the device, quantize it from its own float dtype, drop the float copy."""
     host_w, path, key = parts.pop("weight")
     w = host_w.to(device)
     del host_w
     bias = parts.pop("bias", None)
-    b = None if bias is None else bias[0].to(device=device, dtype=dtype)
+    b = None
+    if bias is not None:
+        b = bias[0].to(device=device, dtype=dtype)
+        finite.add(b, f"{bias[1]}: tensor {bias[2]!r}")
     try:
         layer.load_(w, b)
     except ValueError as e:
         raise ValueError(f"{path}: tensor {key!r}: {e}") from None
-    sqnr = rel = None
-    if measure:
-        sqnr, rel = weight_error(w, layer.weight, layer.weight_scale, layer.scheme)
+    return _row(layer, w if measure else None)
+
+
+def _row(layer: Fp8Linear, w: torch.Tensor | None) -> LayerRow:
+    """The report row of a quantized layer; with its float weight `w`, its error figures too."""
+    figures = (None,) * 4 if w is None else weight_error(w, layer.weight, layer.weight_scale, layer.scheme)
     return LayerRow(layer.name, layer.scheme.value, layer.backend or "?", layer.out_features,
-                    layer.in_features, b is not None, sqnr, rel)
+                    layer.in_features, layer.bias is not None, *figures)
 
 
-def _materialize(slot: Slot, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
+def _owned(out: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """`out`, copied if it still shares memory with `source` (a view of the mapped checkpoint file)."""
+    if out.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+        return out.clone()
+    return out
+
+
+def _materialize(slot: Slot, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Put a non-quantized tensor on the device (floats in `dtype`, or float32 where the model keeps
-    them so), replacing the meta one."""
+    them so), replacing the meta one; never a view of the file. Returns the stored tensor."""
     if slot.kind == "buffer":
         old = slot.owner._buffers[slot.leaf]
-        slot.owner._buffers[slot.leaf] = t.to(dtype=old.dtype).to(device)
-        return
+        slot.owner._buffers[slot.leaf] = out = _owned(t.to(dtype=old.dtype).to(device), t)
+        return out
     want = torch.float32 if slot.keep_fp32 else dtype
-    if t.is_floating_point() and t.dtype != want:
-        t = t.to(want)  # cast on the host: no float32 copy on the device
-    param = nn.Parameter(t.to(device), requires_grad=False)
+    out = t.to(want) if t.is_floating_point() and t.dtype != want else t  # cast on the host
+    param = nn.Parameter(_owned(out.to(device), t), requires_grad=False)
     for owner, leaf in [(slot.owner, slot.leaf), *slot.aliases]:
         owner._parameters[leaf] = param
+    return param
+
+
+def _read(path: Path, keys: list[str]):
+    """Yield (key, tensor) for `keys` of one file, reopening it every `_MAP_BUDGET_BYTES` read.
+
+    safetensors maps the file; the pages read stay resident (and count in RSS) until the mapping is
+    dropped, so a handle is kept only for a bounded number of bytes. The tensors may be views of the
+    mapping: callers copy what they keep.
+    """
+    from safetensors import safe_open
+
+    handle, read = None, 0
+    for key in keys:
+        if handle is None or read > _MAP_BUDGET_BYTES:
+            handle, read = None, 0
+            try:
+                handle = safe_open(str(path), framework="pt", device="cpu")
+            except Exception as e:
+                raise corrupt_error(path, e) from None
+        try:
+            t = handle.get_tensor(key)
+        except Exception as e:
+            raise corrupt_error(path, e) from None
+        read += t.nbytes
+        yield key, t
+        del t
 
 
 def _stream(by_file: dict[Path, list[tuple[str, str]]], slots: dict[str, Slot], device: torch.device,
             dtype: torch.dtype, measure: bool) -> list[LayerRow]:
-    from safetensors import safe_open
-
     rows: list[LayerRow] = []
     pending: dict[str, dict[str, tuple[torch.Tensor, Path, str]]] = {}
+    finite = FiniteCheck()  # non-quantized tensors; the quantizer checks the weights it quantizes
     for path, entries in by_file.items():
-        if not entries:
-            continue
-        try:
-            handle = safe_open(str(path), framework="pt", device="cpu")
-        except Exception as e:
-            raise corrupt_error(path, e) from None
-        with handle as f:
-            for key, name in entries:
-                try:
-                    t = f.get_tensor(key)
-                except Exception as e:
-                    raise corrupt_error(path, e) from None
-                slot = slots[name]
-                if slot.kind != "fp8":
-                    _materialize(slot, t, device, dtype)
-                    continue
-                layer = slot.owner
-                assert isinstance(layer, Fp8Linear)
-                parts = pending.setdefault(layer.name, {})
-                parts[slot.leaf] = (t, path, key)
+        names = dict(entries)
+        for key, t in _read(path, [key for key, _ in entries]):
+            slot = slots[names[key]]
+            if slot.kind != "fp8":
+                finite.add(_materialize(slot, t, device, dtype), f"{path}: tensor {key!r}")
                 del t
-                if "weight" in parts and (layer.bias is None or "bias" in parts):
-                    rows.append(_quantize_layer(layer, pending.pop(layer.name), device, dtype, measure))
+                continue
+            layer = slot.owner
+            assert isinstance(layer, Fp8Linear)
+            parts = pending.setdefault(layer.name, {})
+            parts[slot.leaf] = (t, path, key)
+            del t
+            if "weight" in parts and (layer.bias is None or "bias" in parts):
+                rows.append(_quantize_layer(layer, pending.pop(layer.name), device, dtype, measure, finite))
     if pending:  # cannot happen after _source_map; kept as a guard against silent partial loads
         raise RuntimeError(f"layers left incomplete after reading every file: {', '.join(pending)}")
+    finite.raise_if_bad()
     return rows
 
 
@@ -269,11 +301,7 @@ def quantize_(model: nn.Module, config: Fp8Config | None = None, *,
         w = linear.weight.detach()
         device = w.device
         layer = Fp8Linear.from_linear(linear, config, name=name)
-        sqnr = rel = None
-        if measure_error:
-            sqnr, rel = weight_error(w, layer.weight, layer.weight_scale, layer.scheme)
-        rows.append(LayerRow(name, layer.scheme.value, layer.backend or "?", layer.out_features,
-                             layer.in_features, layer.bias is not None, sqnr, rel))
+        rows.append(_row(layer, w if measure_error else None))
         set_submodule(model, name, layer)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1),
                  torch.bfloat16)
