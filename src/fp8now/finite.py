@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+_CHUNK = 1 << 24  # elements per isfinite pass (its bool temporary)
+
 
 class FiniteCheck:
     """Collects one on-device "all finite" flag per float tensor; `raise_if_bad` syncs once for all."""
@@ -16,7 +18,11 @@ class FiniteCheck:
     def add(self, t: torch.Tensor, name: str) -> None:
         """Queue `t` (any dtype; only floats are checked); `name` says which tensor in which file."""
         if t.is_floating_point() and t.numel():
-            self._flags.append(torch.isfinite(t).all())
+            flat = t.reshape(-1)
+            flag = torch.isfinite(flat[:_CHUNK]).all()
+            for i in range(_CHUNK, flat.numel(), _CHUNK):  # bounded temporaries for a large embedding
+                flag &= torch.isfinite(flat[i:i + _CHUNK]).all()
+            self._flags.append(flag)
             self._names.append(name)
 
     def raise_if_bad(self) -> None:

@@ -77,12 +77,11 @@ def parameters_on_meta() -> Iterator[None]:
         _META.active = outer
 
 
-# Factory functions that, without a `dtype`, create floats in torch's default dtype.
-_DEFAULT_DTYPE_FACTORIES = frozenset({
-    torch.empty, torch.empty_strided, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn,
-    torch.arange, torch.linspace, torch.logspace, torch.eye, torch.tensor, torch.as_tensor,
-    torch.scalar_tensor,
-})
+# Factory functions whose result, without a `dtype`, is always a float in torch's default dtype (the
+# dtype is passed in, so nothing is allocated twice), and those that infer a dtype from their values.
+_FLOAT_FACTORIES = frozenset({torch.empty, torch.empty_strided, torch.zeros, torch.ones, torch.rand,
+                              torch.randn, torch.eye, torch.linspace, torch.logspace})
+_INFERRING_FACTORIES = frozenset({torch.arange, torch.full, torch.tensor, torch.as_tensor, torch.scalar_tensor})
 
 
 class _DefaultDtype(TorchFunctionMode):
@@ -100,10 +99,12 @@ class _DefaultDtype(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if kwargs.get("dtype") is not None or any(isinstance(a, torch.Tensor) for a in args):
+            return func(*args, **kwargs)
+        if func in _FLOAT_FACTORIES:
+            return func(*args, **{**kwargs, "dtype": self.dtype})
         out = func(*args, **kwargs)
-        if (func in _DEFAULT_DTYPE_FACTORIES and kwargs.get("dtype") is None
-                and isinstance(out, torch.Tensor) and out.dtype == torch.get_default_dtype()
-                and not any(isinstance(a, torch.Tensor) for a in args)):
+        if func in _INFERRING_FACTORIES and out.dtype == torch.get_default_dtype():
             out = out.to(self.dtype)
         return out
 

@@ -7,6 +7,7 @@ tensor (embeddings, norms, lm_head) goes straight to the device in `dtype`.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from pathlib import Path
 
@@ -20,9 +21,9 @@ from .hf import (ST_DTYPES, Slot, build_skeleton, checkpoint_files, corrupt_erro
                  target_linears)
 from .linear import Fp8Linear, check_float_weight
 from .report import LayerRow, LoadReport, peak_host_rss_bytes, tensor_bytes, weight_error
+from .tensor_file import read_tensors
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_MAP_BUDGET_BYTES = 128 << 20  # checkpoint bytes read through one mapping before it is dropped
 
 
 def _source_map(model_dir: Path, files: list[Path], slots: dict[str, Slot], alias_of: dict[str, str],
@@ -119,52 +120,27 @@ def _row(layer: Fp8Linear, w: torch.Tensor | None) -> LayerRow:
                     layer.in_features, layer.bias is not None, *figures)
 
 
-def _owned(out: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """`out`, copied if it still shares memory with `source` (a view of the mapped checkpoint file)."""
-    if out.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
-        return out.clone()
-    return out
-
-
 def _materialize(slot: Slot, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Put a non-quantized tensor on the device (floats in `dtype`, or float32 where the model keeps
-    them so), replacing the meta one; never a view of the file. Returns the stored tensor."""
+    them so), replacing the meta one. Returns the stored tensor."""
     if slot.kind == "buffer":
         old = slot.owner._buffers[slot.leaf]
-        slot.owner._buffers[slot.leaf] = out = _owned(t.to(dtype=old.dtype).to(device), t)
+        slot.owner._buffers[slot.leaf] = out = t.to(dtype=old.dtype).to(device)
         return out
     want = torch.float32 if slot.keep_fp32 else dtype
     out = t.to(want) if t.is_floating_point() and t.dtype != want else t  # cast on the host
-    param = nn.Parameter(_owned(out.to(device), t), requires_grad=False)
+    param = nn.Parameter(out.to(device), requires_grad=False)
     for owner, leaf in [(slot.owner, slot.leaf), *slot.aliases]:
         owner._parameters[leaf] = param
     return param
 
 
 def _read(path: Path, keys: list[str]):
-    """Yield (key, tensor) for `keys` of one file, reopening it every `_MAP_BUDGET_BYTES` read.
-
-    safetensors maps the file; the pages read stay resident (and count in RSS) until the mapping is
-    dropped, so a handle is kept only for a bounded number of bytes. The tensors may be views of the
-    mapping: callers copy what they keep.
-    """
-    from safetensors import safe_open
-
-    handle, read = None, 0
-    for key in keys:
-        if handle is None or read > _MAP_BUDGET_BYTES:
-            handle, read = None, 0
-            try:
-                handle = safe_open(str(path), framework="pt", device="cpu")
-            except Exception as e:
-                raise corrupt_error(path, e) from None
-        try:
-            t = handle.get_tensor(key)
-        except Exception as e:
-            raise corrupt_error(path, e) from None
-        read += t.nbytes
-        yield key, t
-        del t
+    """Yield (key, tensor) for `keys` of one file, each in fresh memory (no mapping of the file)."""
+    try:
+        yield from read_tensors(path, keys)
+    except (OSError, ValueError, KeyError) as e:
+        raise corrupt_error(path, e) from None
 
 
 def _stream(by_file: dict[Path, list[tuple[str, str]]], slots: dict[str, Slot], device: torch.device,
@@ -206,6 +182,14 @@ def _finish(model: nn.Module, device: torch.device, source: str) -> None:
                                    "this is a bug in fp8now: please report it with the model's config.json")
     model.requires_grad_(False)
     model.eval()
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the OS (glibc keeps them after a load's many temporaries)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def default_device() -> torch.device:
@@ -252,6 +236,7 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
                                    getattr(model, "base_model_prefix", "") or "")
     rows = _stream(by_file, slots, device, dtype, measure_error)
     _finish(model, device, str(model_dir))
+    _trim_heap()
     report = _report(model, rows, ignored, str(model_dir), device, dtype, config)
     report.skipped_tensors = skipped
     report.files = [p.name for p in files]

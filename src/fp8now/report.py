@@ -159,15 +159,26 @@ def flush_warning(row: LayerRow) -> str:
             f"{group}): an outlier weight sets the scale; check the checkpoint's values or ignore this layer")
 
 
+# Same-size integer views and sign masks: `x & mask == 0` finds +0 and -0 of any float without a cast.
+_INT_VIEW = {1: (torch.uint8, 0x7F), 2: (torch.int16, 0x7FFF), 4: (torch.int32, 0x7FFFFFFF)}
+
+
+def _is_zero(t: torch.Tensor) -> torch.Tensor:
+    """Bool mask of the zeros (either sign) of a float tensor, read from its bits."""
+    if t.element_size() not in _INT_VIEW:
+        return t == 0
+    dtype, mask = _INT_VIEW[t.element_size()]
+    return (t.view(dtype) & mask) == 0
+
+
 def _group_counts(mask: torch.Tensor, scheme: Scheme) -> torch.Tensor:
     """Count of True per scale group of the rows `mask` [r, K] covers (block rows start on a tile)."""
-    m = mask.to(torch.int32)
     match scheme:
         case Scheme.TENSOR:
-            return m.sum().reshape(1)
+            return torch.count_nonzero(mask).reshape(1)
         case Scheme.CHANNEL:
-            return m.sum(1)
-    m = torch.nn.functional.pad(m, (0, -m.shape[1] % 128, 0, -m.shape[0] % 128))
+            return torch.count_nonzero(mask, dim=1)
+    m = torch.nn.functional.pad(mask.to(torch.int32), (0, -mask.shape[1] % 128, 0, -mask.shape[0] % 128))
     return m.reshape(m.shape[0] // 128, 128, m.shape[1] // 128, 128).sum((1, 3)).flatten()
 
 
@@ -183,8 +194,8 @@ def weight_error(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: 
     # |a|², |b|², <a,b>, |a-b|², flushed, nonzero, worst group fraction (tensor: from the totals)
     acc = torch.zeros(7, dtype=torch.float64, device=w.device)
     for r in range(0, rows, step):
-        a = w[r:r + step].double()
-        qc = q[r:r + step]
+        wc, qc = w[r:r + step], q[r:r + step]
+        a = wc.double().reshape(-1)
         match scheme:
             case Scheme.TENSOR:
                 b = qc.double() * scale.double().reshape(1, 1)
@@ -192,18 +203,18 @@ def weight_error(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: 
                 b = qc.double() * scale.double().reshape(-1, 1)[r:r + step]
             case Scheme.BLOCK:
                 b = dequantize(qc, scale[r // 128:(r + step + 127) // 128], group).double()
-        acc[0] += (a * a).sum()
-        acc[1] += (b * b).sum()
-        acc[2] += (a * b).sum()
-        nonzero = a != 0
-        flushed = nonzero & (qc.float() == 0)
+        b = b.reshape(-1)
+        acc[0] += a @ a
+        acc[1] += b @ b
+        acc[2] += a @ b
         b.sub_(a)
-        acc[3] += (b * b).sum()
-        f, n = _group_counts(flushed, scheme), _group_counts(nonzero, scheme)
+        acc[3] += b @ b
+        nonzero = ~_is_zero(wc)
+        f, n = _group_counts(nonzero & _is_zero(qc), scheme), _group_counts(nonzero, scheme)
         acc[4] += f.sum()
         acc[5] += n.sum()
         acc[6] = torch.maximum(acc[6], (f.double() / n.clamp(min=1)).max())
-        del a, b, nonzero, flushed
+        del a, b, nonzero
     aa, bb, ab, noise, n_flushed, n_nonzero, worst = acc.tolist()
     frac = n_flushed / n_nonzero if n_nonzero else 0.0
     worst = frac if scheme is Scheme.TENSOR else worst
