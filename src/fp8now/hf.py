@@ -18,6 +18,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .config import Fp8Config
+from .custom_code import load_config
 from .linear import Fp8Linear
 
 if TYPE_CHECKING:
@@ -111,7 +112,6 @@ class _DefaultDtype(TorchFunctionMode):
 
 def read_config(model_dir: Path) -> PretrainedConfig:
     """The transformers config of a checkpoint folder; clear errors for a missing/odd config.json."""
-    from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     path = model_dir / "config.json"
@@ -131,7 +131,7 @@ def read_config(model_dir: Path) -> PretrainedConfig:
         hint = " (it uses custom code via auto_map, which fp8now does not run)" if "auto_map" in raw else ""
         raise ValueError(f"{path}: model_type {model_type!r} is not known to the installed transformers"
                          f"{hint}; upgrade transformers or use a supported architecture")
-    return AutoConfig.from_pretrained(str(model_dir))
+    return load_config(model_dir)
 
 
 def build_skeleton(model_dir: Path, dtype: torch.dtype) -> nn.Module:

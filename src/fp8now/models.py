@@ -166,7 +166,9 @@ def convert_gguf(src: Path, out_dir: Path, progress: bool = True) -> Path:
     """Write a bf16 Hugging Face checkpoint of the GGUF file `src` into the existing folder `out_dir`."""
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from .custom_code import load_tokenizer
 
     _require_gguf_support()
     bar = tqdm(total=4, desc=f"fp8now: converting {src.name} to bf16 (once)", unit="step",
@@ -174,10 +176,10 @@ def convert_gguf(src: Path, out_dir: Path, progress: bool = True) -> Path:
     with _quiet_transformers(progress), bar:
         bar.set_postfix_str("reading GGUF")
         model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
-                                                     dtype=torch.float32)
+                                                     dtype=torch.float32, trust_remote_code=False)
         bar.update()
         bar.set_postfix_str("tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        tokenizer = load_tokenizer(src.parent, gguf_file=src.name)
         bar.update()
         bar.set_postfix_str("bf16 tensors")
         tensors = bf16_state_dict(model)
