@@ -19,6 +19,7 @@ from .finite import FiniteCheck
 from .hf import (ST_DTYPES, Slot, build_skeleton, checkpoint_files, corrupt_error, index_map,
                  keep_fp32_names, model_slots, resolve_name, scan_headers, set_submodule, swap_linears,
                  target_linears)
+from .legacy import legacy_reason
 from .linear import Fp8Linear, check_float_weight
 from .report import LayerRow, LoadReport, peak_host_rss_bytes, tensor_bytes, weight_error
 from .tensor_file import read_tensors
@@ -41,6 +42,9 @@ def _source_map(model_dir: Path, files: list[Path], slots: dict[str, Slot], alia
         in_file[path.name] = {key for key, _, _ in headers}
         for key, shape, st_dtype in headers:
             name = resolve_name(key, known, prefix)
+            if name is None and (why := legacy_reason(key)):
+                skipped.append((key, why))
+                continue
             if name is None:
                 unexpected.append(f"{key!r} in {path.name}")
                 continue
@@ -84,7 +88,7 @@ def _check_header(slot: Slot, key: str, path: Path, shape: tuple[int, ...], st_d
     if slot.is_float:
         dt = ST_DTYPES.get(st_dtype)
         if dt is None:
-            raise ValueError(f"{path}: tensor {key!r} has dtype {st_dtype}; expected BF16, F16 or F32 "
+            raise ValueError(f"{path}: tensor {key!r} has dtype {st_dtype}; expected BF16, F16, F32 or F64 "
                              "(fp8now quantizes float checkpoints; pre-quantized ones are another path)")
         try:
             check_float_weight(torch.empty(shape, dtype=dt, device="meta"), key, shape)

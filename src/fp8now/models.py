@@ -78,16 +78,26 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None, progress: bool
     if _is_current(target):
         return target
     src = gguf_path()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_dead_temps(target.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-{CACHE_SUBDIR}-", dir=target.parent))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the cache folder should not be
     try:
-        convert_gguf(src, tmp, progress=progress)
-        _install(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_dead_temps(target.parent)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-{CACHE_SUBDIR}-", dir=target.parent))
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the cache folder should not be
+        try:
+            convert_gguf(src, tmp, progress=progress)
+            _install(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
+    except OSError as e:
+        raise cache_error(target.parent, e) from None
     return target
+
+
+def cache_error(root: Path, e: OSError) -> OSError:
+    """The error for a cache folder that cannot be written: which folder, why, and what to do."""
+    why = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else (e.strerror or str(e))
+    return OSError(f"cannot write the converted default model into the cache folder {root} ({why}); "
+                   "set FP8NOW_CACHE to a writable folder with a few hundred MB free, or pass a model folder")
 
 
 def _install(tmp: Path, target: Path) -> None:

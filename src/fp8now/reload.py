@@ -10,6 +10,7 @@ from torch import nn
 
 from .finite import check_finite
 from .hf import Slot, model_slots, resolve_name
+from .legacy import legacy_reason
 from .linear import Fp8Linear, check_float_weight
 from .report import ReloadReport
 
@@ -18,6 +19,8 @@ def _reload_slot(key: str, t: torch.Tensor, slots: dict[str, Slot], alias_of: di
                  computed: set[str], prefix: str, known: set[str]) -> tuple[str, Slot | None]:
     """The model name and slot for a reloaded tensor (None: a computed buffer); checks shape and dtype."""
     name = resolve_name(key, known, prefix)
+    if name is None and legacy_reason(key):
+        return key, None
     if name is None:
         example = next(iter(slots), "")
         raise ValueError(f"reload_weights: {key!r} is not a tensor of this model (names look like "

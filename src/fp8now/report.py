@@ -123,7 +123,7 @@ class ReloadReport:
     updated_layers: list[str] = field(default_factory=list)
     copied: list[str] = field(default_factory=list)
     partial: list[tuple[str, list[str]]] = field(default_factory=list)  # (layer, names that did not arrive)
-    skipped: list[str] = field(default_factory=list)  # non-persistent buffers: the model computes them
+    skipped: list[str] = field(default_factory=list)  # the model computes them (buffers, legacy inv_freq)
     seconds: float = 0.0
 
     @property
