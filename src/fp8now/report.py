@@ -42,7 +42,8 @@ class LoadReport:
     """Filled by `load` and `quantize_`.
 
     layers: one row per quantized layer. ignored: (module, reason) for every linear left alone.
-    skipped_tensors: (checkpoint tensor, reason) read but not used (e.g. a tied duplicate).
+    skipped_tensors: (checkpoint tensor, reason) read but not used (a tied duplicate, a legacy inv_freq).
+    warnings(): layers whose outliers flushed many weights to zero (also in to_dict() and the summary).
     bf16_bytes: the quantized layers' weights at 2 bytes/element; fp8_bytes: their FP8 weights + scales.
     model_bytes: every parameter and buffer of the final model (embeddings, norms and lm_head included).
     peak_device_bytes: torch.cuda.max_memory_allocated during the load (reset at its start); None off CUDA.
