@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fp8now import Fp8Config
+from fp8now import Fp8Config, quantize_weight
 from fp8now.loader import load
 from tiny import save_checkpoint, write_tiny_checkpoint
 
@@ -117,14 +117,27 @@ def test_wrong_shape(tmp_path, good):
         _load(folder)
 
 
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
-def test_prequantized_weight(tmp_path, good, dtype):
+@pytest.mark.parametrize("dtype, what", [
+    (torch.float8_e4m3fn, r"is already quantized \(torch\.float8_e4m3fn, FP8\).*pre-quantized checkpoint is a different path"),
+    (torch.int8, r"has dtype torch\.int8: integers \(packed weights of an integer-quantized checkpoint"),
+    (torch.int32, r"has dtype torch\.int32: integers .*use the original unquantized checkpoint"),
+])
+def test_prequantized_or_integer_weight(tmp_path, good, dtype, what):
     w = good[1][f"{LAYER}.weight"]
     tensors = {**good[1], f"{LAYER}.weight": w.clamp(-100, 100).to(dtype)}
     folder = save_checkpoint(tensors, good[2], tmp_path / "ckpt")
-    with pytest.raises(ValueError, match=rf"model\.safetensors: {re.escape(LAYER)}\.weight is already "
-                                         r"quantized .*pre-quantized checkpoint is a different path"):
+    with pytest.raises(ValueError, match=rf"model\.safetensors: {re.escape(LAYER)}\.weight {what}"):
         _load(folder)
+
+
+def test_float64_checkpoint_is_accepted_as_its_messages_say(tmp_path, good):
+    tensors = {k: v.double() for k, v in good[1].items()}
+    folder = save_checkpoint(tensors, good[2], tmp_path / "f64")
+    model, report = _load(folder)
+    layer = model.get_submodule(LAYER)
+    q, s = quantize_weight(tensors[f"{LAYER}.weight"], "channel")  # from the float64 values themselves
+    assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(layer.weight_scale, s)
+    assert model.model.norm.weight.dtype == torch.bfloat16 and len(report.layers) == 14
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

@@ -149,12 +149,13 @@ def cmd_run(args) -> int:
 def _run(args):
     """The text output of `run`; returns (scheme key, model folder, load report, generation rows)."""
     import torch
-    from transformers import AutoTokenizer
+
+    from .custom_code import load_tokenizer
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     key, model_dir, model, report = _load(args, measure_error=False)  # no SQNR needed here
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_tokenizer(model_dir)
     if getattr(tokenizer, "chat_template", None):
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
                                                add_generation_prompt=True)

@@ -148,11 +148,12 @@ def compare_models(ref: nn.Module, models: dict[str, nn.Module], wins: list[torc
 
 def tokenize(model_dir: Path, text: str) -> torch.Tensor:
     """The text as one row of token ids `[T]`, without special tokens."""
-    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from .custom_code import load_tokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = load_tokenizer(model_dir)
     except (OSError, ValueError) as e:
         raise ValueError(f"{model_dir}: no usable tokenizer ({str(e).splitlines()[0]}); evaluation needs "
                          "the checkpoint's tokenizer files (tokenizer.json / tokenizer_config.json)") from None
@@ -173,7 +174,8 @@ def load_bf16(model_dir: Path, device: torch.device) -> nn.Module:
     enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16,
+                                                     trust_remote_code=False)
     finally:
         if enabled:
             hf_logging.enable_progress_bar()

@@ -6,8 +6,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,7 +14,9 @@ import torch
 from torch import nn
 
 from .config import Fp8Config
+from .custom_code import load_config
 from .linear import Fp8Linear
+from .meta import ThreadDefaultDtype, parameters_on_meta
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -25,31 +25,8 @@ if TYPE_CHECKING:
 _ROUTER_LEAVES = ("gate", "router", "shared_expert_gate")
 
 
-@contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Inside this block every registered parameter is moved to the meta device; buffers stay real.
-
-    Parameters are first created (uninitialized) where their module asks, then replaced by a meta
-    tensor of the same shape and dtype, so initializers run on meta and cost nothing. Buffers such as
-    RoPE `inv_freq` are computed normally and keep their dtype (float32).
-    """
-    original = nn.Module.register_parameter
-
-    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
-            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        original(self, name, param)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
 def read_config(model_dir: Path) -> PretrainedConfig:
     """The transformers config of a checkpoint folder; clear errors for a missing/odd config.json."""
-    from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     path = model_dir / "config.json"
@@ -69,7 +46,7 @@ def read_config(model_dir: Path) -> PretrainedConfig:
         hint = " (it uses custom code via auto_map, which fp8now does not run)" if "auto_map" in raw else ""
         raise ValueError(f"{path}: model_type {model_type!r} is not known to the installed transformers"
                          f"{hint}; upgrade transformers or use a supported architecture")
-    return AutoConfig.from_pretrained(str(model_dir))
+    return load_config(model_dir)
 
 
 def build_skeleton(model_dir: Path, dtype: torch.dtype) -> nn.Module:
@@ -82,8 +59,9 @@ def build_skeleton(model_dir: Path, dtype: torch.dtype) -> nn.Module:
         archs = ", ".join(getattr(config, "architectures", None) or []) or "none listed"
         raise ValueError(f"{model_dir / 'config.json'}: model_type {config.model_type!r} (architectures: "
                          f"{archs}) has no causal-LM class in transformers; fp8now loads decoder LLMs")
-    with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with parameters_on_meta(), ThreadDefaultDtype(dtype):
+        model = AutoModelForCausalLM.from_config(config, dtype=None)  # None: no torch.set_default_dtype
+    config.dtype = dtype
     if getattr(config, "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
         model.tie_weights()
     return model

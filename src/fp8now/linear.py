@@ -14,8 +14,8 @@ from .kernels.plan import Path, Table, Weights, plan
 from .numerics import E4M3FN
 
 _PATHS_KEPT = 512   # distinct M whose planned path a layer remembers (eager calls)
-_QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.int8,
-                     torch.uint8, torch.int32, torch.int16)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz)
+_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # quantized from these
 
 
 def weight_scale_shape(scheme: Scheme, n: int, k: int) -> tuple[int, ...]:
@@ -31,14 +31,18 @@ def weight_scale_shape(scheme: Scheme, n: int, k: int) -> tuple[int, ...]:
 
 
 def check_float_weight(w: torch.Tensor, name: str, shape: tuple[int, ...]) -> None:
-    """A weight to quantize must be bf16/fp16/fp32 of the expected shape; say what to do otherwise."""
-    if w.dtype in _QUANTIZED_DTYPES:
+    """A weight to quantize must be bf16/fp16/fp32/fp64 of the expected shape; say what it is otherwise."""
+    if w.dtype in _FP8_DTYPES:
         raise ValueError(
-            f"{name or 'weight'} is already quantized ({w.dtype}); fp8now quantizes bf16/fp16/fp32 "
+            f"{name or 'weight'} is already quantized ({w.dtype}, FP8); fp8now quantizes bf16/fp16/fp32/fp64 "
             "checkpoints while loading. Loading a pre-quantized checkpoint is a different path: "
             "use the original bf16 checkpoint here")
-    if not w.is_floating_point():
-        raise ValueError(f"{name or 'weight'} has dtype {w.dtype}; expected bf16, fp16 or fp32")
+    if w.dtype not in _WEIGHT_DTYPES:
+        kind = "a float format fp8now does not read" if w.is_floating_point() else (
+            "booleans" if w.dtype == torch.bool else "integers (packed weights of an integer-quantized "
+            "checkpoint, or not a weight at all)")
+        raise ValueError(f"{name or 'weight'} has dtype {w.dtype}: {kind}; fp8now quantizes bf16, fp16, "
+                         "fp32 or fp64 weights: use the original unquantized checkpoint")
     if tuple(w.shape) != tuple(shape):
         raise ValueError(f"{name or 'weight'} has shape {tuple(w.shape)}, expected {tuple(shape)}")
 

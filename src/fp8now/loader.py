@@ -7,6 +7,7 @@ tensor (embeddings, norms, lm_head) goes straight to the device in `dtype`.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from pathlib import Path
 
@@ -15,13 +16,16 @@ from torch import nn
 
 from .config import Fp8Config
 from .checkpoint import ST_DTYPES, checkpoint_files, corrupt_error, index_map, scan_headers
+from .finite import FiniteCheck
 from .hf import (Slot, build_skeleton, keep_fp32_names, model_slots, resolve_name, set_submodule, swap_linears,
                  target_linears)
 from .hf_moe import add_experts, is_experts, quantize_experts_
+from .legacy import legacy_reason
 from .linear import Fp8Linear, check_float_weight
 from .moe import Fp8Experts
 from .moe_load import ExpertsLoad
 from .report import LayerRow, LoadReport, peak_host_rss_bytes, plan_names, tensor_bytes, weight_error
+from .tensor_file import read_tensors
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -42,6 +46,9 @@ def _source_map(model_dir: Path, files: list[Path], slots: dict[str, Slot], alia
         in_file[path.name] = {key for key, _, _ in headers}
         for key, shape, st_dtype in headers:
             name = resolve_name(key, known, prefix)
+            if name is None and (why := legacy_reason(key)):
+                skipped.append((key, why))
+                continue
             if name is None and experts is not None:  # transformers' renaming / expert-merging rules
                 name, is_part = experts.claim(key, path, st_dtype, known, prefix)
                 if is_part:
@@ -91,7 +98,7 @@ def _check_header(slot: Slot, key: str, path: Path, shape: tuple[int, ...], st_d
     if slot.is_float:
         dt = ST_DTYPES.get(st_dtype)
         if dt is None:
-            raise ValueError(f"{path}: tensor {key!r} has dtype {st_dtype}; expected BF16, F16 or F32 "
+            raise ValueError(f"{path}: tensor {key!r} has dtype {st_dtype}; expected BF16, F16, F32 or F64 "
                              "(fp8now quantizes float checkpoints; pre-quantized ones are another path)")
         try:
             check_float_weight(torch.empty(shape, dtype=dt, device="meta"), key, shape)
@@ -103,75 +110,81 @@ def _check_header(slot: Slot, key: str, path: Path, shape: tuple[int, ...], st_d
 
 
 def _quantize_layer(layer: Fp8Linear, parts: dict[str, tuple[torch.Tensor, Path, str]],
-                    device: torch.device, dtype: torch.dtype, measure: bool) -> LayerRow:
+                    device: torch.device, dtype: torch.dtype, measure: bool, finite: FiniteCheck) -> LayerRow:
     """Move a complete layer to the device, quantize it from its own float dtype, drop the float copy."""
     host_w, path, key = parts.pop("weight")
     w = host_w.to(device)
     del host_w
     bias = parts.pop("bias", None)
-    b = None if bias is None else bias[0].to(device=device, dtype=dtype)
+    b = None
+    if bias is not None:
+        b = bias[0].to(device=device, dtype=dtype)
+        finite.add(b, f"{bias[1]}: tensor {bias[2]!r}")
     try:
         layer.load_(w, b)
     except ValueError as e:
         raise ValueError(f"{path}: tensor {key!r}: {e}") from None
-    sqnr = rel = None
-    if measure:
-        sqnr, rel = weight_error(w, layer.weight, layer.weight_scale, layer.scheme)
+    return _row(layer, w if measure else None)
+
+
+def _row(layer: Fp8Linear, w: torch.Tensor | None) -> LayerRow:
+    """The report row of a quantized layer; with its float weight `w`, its error figures too."""
+    figures = (None,) * 4 if w is None else weight_error(w, layer.weight, layer.weight_scale, layer.scheme)
     return LayerRow(layer.name, layer.scheme.value, layer.backend or "?", layer.out_features,
-                    layer.in_features, b is not None, sqnr, rel, plan=plan_names(layer))
+                    layer.in_features, layer.bias is not None, *figures[:2], plan=plan_names(layer),
+                    zero_flushed=figures[2], worst_group_flushed=figures[3])
 
 
-def _materialize(slot: Slot, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
+def _materialize(slot: Slot, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Put a non-quantized tensor on the device (floats in `dtype`, or float32 where the model keeps
-    them so), replacing the meta one."""
+    them so), replacing the meta one. Returns the stored tensor."""
     if slot.kind == "buffer":
         old = slot.owner._buffers[slot.leaf]
-        slot.owner._buffers[slot.leaf] = t.to(dtype=old.dtype).to(device)
-        return
+        slot.owner._buffers[slot.leaf] = out = t.to(dtype=old.dtype).to(device)
+        return out
     want = torch.float32 if slot.keep_fp32 else dtype
-    if t.is_floating_point() and t.dtype != want:
-        t = t.to(want)  # cast on the host: no float32 copy on the device
-    param = nn.Parameter(t.to(device), requires_grad=False)
+    out = t.to(want) if t.is_floating_point() and t.dtype != want else t  # cast on the host
+    param = nn.Parameter(out.to(device), requires_grad=False)
     for owner, leaf in [(slot.owner, slot.leaf), *slot.aliases]:
         owner._parameters[leaf] = param
+    return param
+
+
+def _read(path: Path, keys: list[str]):
+    """Yield (key, tensor) for `keys` of one file, each in fresh memory (no mapping of the file)."""
+    try:
+        yield from read_tensors(path, keys)
+    except (OSError, ValueError, KeyError) as e:
+        raise corrupt_error(path, e) from None
 
 
 def _stream(by_file: dict[Path, list[tuple[str, str]]], slots: dict[str, Slot], device: torch.device,
             dtype: torch.dtype, measure: bool, experts: ExpertsLoad | None = None) -> list[LayerRow]:
-    from safetensors import safe_open
-
     rows: list[LayerRow] = []
     pending: dict[str, dict[str, tuple[torch.Tensor, Path, str]]] = {}
+    finite = FiniteCheck()  # non-quantized tensors; the quantizer checks the weights it quantizes
     for path, entries in by_file.items():
-        if not entries:
-            continue
-        try:
-            handle = safe_open(str(path), framework="pt", device="cpu")
-        except Exception as e:
-            raise corrupt_error(path, e) from None
-        with handle as f:
-            for key, name in entries:
-                try:
-                    t = f.get_tensor(key)
-                except Exception as e:
-                    raise corrupt_error(path, e) from None
-                slot = slots[name]
-                if slot.kind == "experts":
-                    experts.add(name, key, t, path, device, dtype, measure)
-                    continue
-                if slot.kind != "fp8":
-                    _materialize(slot, t, device, dtype)
-                    continue
-                layer = slot.owner
-                assert isinstance(layer, Fp8Linear)
-                parts = pending.setdefault(layer.name, {})
-                parts[slot.leaf] = (t, path, key)
+        names = dict(entries)
+        for key, t in _read(path, [key for key, _ in entries]):
+            slot = slots[names[key]]
+            if slot.kind == "experts":
+                experts.add(names[key], key, t, path, device, dtype, measure)
+                continue
+            if slot.kind != "fp8":
+                finite.add(_materialize(slot, t, device, dtype), f"{path}: tensor {key!r}")
                 del t
-                if "weight" in parts and (layer.bias is None or "bias" in parts):
-                    rows.append(_quantize_layer(layer, pending.pop(layer.name), device, dtype, measure))
+                continue
+            layer = slot.owner
+            assert isinstance(layer, Fp8Linear)
+            parts = pending.setdefault(layer.name, {})
+            parts[slot.leaf] = (t, path, key)
+            del t
+            if "weight" in parts and (layer.bias is None or "bias" in parts):
+                rows.append(_quantize_layer(layer, pending.pop(layer.name), device, dtype, measure, finite))
     pending_names = [*pending, *(experts.unfinished() if experts is not None else [])]
     if pending_names:  # cannot happen after _source_map; kept as a guard against silent partial loads
         raise RuntimeError(f"layers left incomplete after reading every file: {', '.join(pending_names)}")
+    finite.raise_if_bad()
     return rows
 
 
@@ -188,6 +201,14 @@ def _finish(model: nn.Module, device: torch.device, source: str) -> None:
                                    "this is a bug in fp8now: please report it with the model's config.json")
     model.requires_grad_(False)
     model.eval()
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the OS (glibc keeps them after a load's many temporaries)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def default_device() -> torch.device:
@@ -239,6 +260,7 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
                                    getattr(model, "base_model_prefix", "") or "", experts)
     rows = _stream(by_file, slots, device, dtype, measure_error, experts)
     _finish(model, device, str(model_dir))
+    _trim_heap()
     report = _report(model, rows, ignored + experts.ignored, str(model_dir), device, dtype, config)
     add_experts(report, model, experts.rows)
     report.skipped_tensors = skipped
@@ -289,11 +311,7 @@ def quantize_(model: nn.Module, config: Fp8Config | None = None, *,
         w = linear.weight.detach()
         device = w.device
         layer = Fp8Linear.from_linear(linear, config, name=name)
-        sqnr = rel = None
-        if measure_error:
-            sqnr, rel = weight_error(w, layer.weight, layer.weight_scale, layer.scheme)
-        rows.append(LayerRow(name, layer.scheme.value, layer.backend or "?", layer.out_features,
-                             layer.in_features, layer.bias is not None, sqnr, rel, plan=plan_names(layer)))
+        rows.append(_row(layer, w if measure_error else None))
         set_submodule(model, name, layer)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1),
                  torch.bfloat16)

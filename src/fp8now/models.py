@@ -86,20 +86,30 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None, progress: bool
     if _is_current(target):
         return target
     src = gguf_path()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with cache_lock(target.parent / LOCK_FILE):
-        if _is_current(target):
-            return target  # another process converted it while this one waited
-        _remove_temps(target.parent)  # left by a converter that died
-        tmp = _new_dir(target.parent)
-        try:
-            convert_gguf(src, tmp, progress=progress)
-            if target.exists():  # a stale cache (older layout or another GGUF): move it aside first
-                os.replace(target, _new_dir(target.parent) / "old")
-            os.replace(tmp, target)
-        finally:
-            _remove_temps(target.parent)  # this conversion's folder after a failure, a stale cache
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with cache_lock(target.parent / LOCK_FILE):
+            if _is_current(target):
+                return target  # another process converted it while this one waited
+            _remove_temps(target.parent)  # left by a converter that died
+            tmp = _new_dir(target.parent)
+            try:
+                convert_gguf(src, tmp, progress=progress)
+                if target.exists():  # a stale cache (older layout or another GGUF): move it aside first
+                    os.replace(target, _new_dir(target.parent) / "old")
+                os.replace(tmp, target)
+            finally:
+                _remove_temps(target.parent)  # this conversion's folder after a failure, a stale cache
+    except OSError as e:
+        raise cache_error(target.parent, e) from None
     return target
+
+
+def cache_error(root: Path, e: OSError) -> OSError:
+    """The error for a cache folder that cannot be written: which folder, why, and what to do."""
+    why = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else (e.strerror or str(e))
+    return OSError(f"cannot write the converted default model into the cache folder {root} ({why}); "
+                   "set FP8NOW_CACHE to a writable folder with a few hundred MB free, or pass a model folder")
 
 
 def _remove_temps(parent: Path) -> None:
@@ -167,7 +177,9 @@ def convert_gguf(src: Path, out_dir: Path, progress: bool = True) -> Path:
     """Write a bf16 Hugging Face checkpoint of the GGUF file `src` into the existing folder `out_dir`."""
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from .custom_code import load_tokenizer
 
     _require_gguf_support()
     bar = tqdm(total=4, desc=f"fp8now: converting {src.name} to bf16 (once)", unit="step",
@@ -175,10 +187,10 @@ def convert_gguf(src: Path, out_dir: Path, progress: bool = True) -> Path:
     with _quiet_transformers(progress), bar:
         bar.set_postfix_str("reading GGUF")
         model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
-                                                     dtype=torch.float32)
+                                                     dtype=torch.float32, trust_remote_code=False)
         bar.update()
         bar.set_postfix_str("tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        tokenizer = load_tokenizer(src.parent, gguf_file=src.name)
         bar.update()
         bar.set_postfix_str("bf16 tensors")
         tensors = bf16_state_dict(model)

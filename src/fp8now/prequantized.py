@@ -17,12 +17,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import checkpoint_files, corrupt_error, scan_headers
+from .checkpoint import checkpoint_files, scan_headers
 from .config import Fp8Config, Scheme
+from .finite import FiniteCheck
 from .formats import SCALE_LEAF, Prequantized, read_quantization_config
 from .hf import build_skeleton, model_slots, resolve_name, set_submodule
 from .linear import Fp8Linear
-from .report import LayerRow
+from .report import LayerRow, plan_names
 
 _FP8_ST = "F8_E4M3"
 _SCALE_LEAVES = tuple(SCALE_LEAF.values())
@@ -146,26 +147,10 @@ def _install(layer: Fp8Linear, tensors: dict[str, torch.Tensor], device: torch.d
     layer.pick_backend()
 
 
-def _open(path: Path):
-    from safetensors import safe_open
-
-    try:
-        return safe_open(str(path), framework="pt", device="cpu")
-    except Exception as e:  # SafetensorError, OSError: the file cannot be used
-        raise corrupt_error(path, e) from None
-
-
-def _read(f, path: Path, key: str) -> torch.Tensor:
-    try:
-        return f.get_tensor(key)
-    except Exception as e:
-        raise corrupt_error(path, e) from None
-
-
 def load_prequantized(model_dir: Path, raw: dict, config: Fp8Config | None, device: torch.device,
                       dtype: torch.dtype):
     """fp8now.load for a checkpoint whose config.json has a `quantization_config` -> (model, report)."""
-    from .loader import _check_header, _finish, _materialize, _report
+    from .loader import _check_header, _finish, _materialize, _read, _report
 
     config = config or Fp8Config()
     info = read_quantization_config(raw, str(model_dir / "config.json"))
@@ -202,26 +187,29 @@ def load_prequantized(model_dir: Path, raw: dict, config: Fp8Config | None, devi
                          f"{', '.join(missing[:5])} (re-download it)")
     pending: dict[str, dict[str, torch.Tensor]] = {}
     rows: list[LayerRow] = []
+    finite = FiniteCheck()  # the tensors kept in high precision (FP8 bytes are what the file holds)
     for path, entries in route.items():
         if not entries:
             continue
-        with _open(path) as f:
-            for key, name in entries:
-                t = _read(f, path, key)
-                if name is not None:
-                    _materialize(slots[name], t, device, dtype)
-                    continue
-                lname, part = fp8_keys[key]
-                if part == "input_scale":
-                    skipped.append((key, _STATIC_WHY))
-                    continue
-                layer, parts = plans[lname]
-                got = pending.setdefault(lname, {})
-                got[part] = t
-                if all(p in got for p in parts if p != "input_scale"):
-                    _install(layer, pending.pop(lname), device, dtype, str(path))
-                    rows.append(LayerRow(lname, layer.scheme.value, layer.backend or "?", layer.out_features,
-                                         layer.in_features, layer.bias is not None, None, None))
+        names = dict(entries)
+        for key, t in _read(path, list(names)):
+            name = names[key]
+            if name is not None:
+                finite.add(_materialize(slots[name], t, device, dtype), f"{path}: tensor {key!r}")
+                continue
+            lname, part = fp8_keys[key]
+            if part == "input_scale":
+                skipped.append((key, _STATIC_WHY))
+                continue
+            layer, parts = plans[lname]
+            got = pending.setdefault(lname, {})
+            got[part] = t
+            if all(p in got for p in parts if p != "input_scale"):
+                _install(layer, pending.pop(lname), device, dtype, str(path))
+                rows.append(LayerRow(lname, layer.scheme.value, layer.backend or "?", layer.out_features,
+                                     layer.in_features, layer.bias is not None, None, None,
+                                     plan=plan_names(layer)))
+    finite.raise_if_bad()
     _finish(model, device, str(model_dir))
     first = next(iter(plans.values()))[0]
     report = _report(model, rows, ignored, f"{model_dir} ({info.fmt}, pre-quantized)", device, dtype,

@@ -8,7 +8,9 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
+from .finite import check_finite
 from .hf import Slot, model_slots, resolve_name
+from .legacy import legacy_reason
 from .linear import Fp8Linear, check_float_weight
 from .report import ReloadReport
 
@@ -17,6 +19,8 @@ def _reload_slot(key: str, t: torch.Tensor, slots: dict[str, Slot], alias_of: di
                  computed: set[str], prefix: str, known: set[str]) -> tuple[str, Slot | None]:
     """The model name and slot for a reloaded tensor (None: a computed buffer); checks shape and dtype."""
     name = resolve_name(key, known, prefix)
+    if name is None and legacy_reason(key):
+        return key, None
     if name is None:
         example = next(iter(slots), "")
         raise ValueError(f"reload_weights: {key!r} is not a tensor of this model (names look like "
@@ -35,6 +39,15 @@ def _reload_slot(key: str, t: torch.Tensor, slots: dict[str, Slot], alias_of: di
     return name, slot
 
 
+def _applied(report: ReloadReport) -> str:
+    """What an interrupted call had already written, for its error message."""
+    if not report.updated_layers and not report.copied:
+        return "nothing of this call was applied"
+    parts = [f"FP8 layers {', '.join(report.updated_layers)}" if report.updated_layers else "",
+             f"tensors {', '.join(report.copied)}" if report.copied else ""]
+    return "already applied by this call: " + "; ".join(p for p in parts if p)
+
+
 def reload_weights(model: nn.Module,
                    named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
                    ) -> ReloadReport:
@@ -44,49 +57,69 @@ def reload_weights(model: nn.Module,
     arrived, and the results are copied into its existing storage: Parameter objects and data_ptr()
     never change, so captured CUDA graphs stay valid. Other tensors are copied in place. A layer
     whose weight or bias is missing from this call is not touched and is listed in `report.partial`.
-    A dict or list is checked entirely (names, shapes, dtypes) before anything is written; a
-    streaming iterable is checked tensor by tensor. Unknown names raise.
+    A dict or list is all-or-nothing: names, shapes, dtypes and NaN/Inf of every tensor are checked
+    before the first write. A streaming iterable is applied layer by layer, each layer whole or not
+    at all; its error lists exactly what was already applied. Unknown names raise.
     """
     start = time.perf_counter()
     slots, alias_of, computed = model_slots(model)
     prefix = getattr(model, "base_model_prefix", "") or ""
     known = set(slots) | set(alias_of) | computed
     items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else named_tensors
-    if isinstance(items, (list, tuple)):
+    checked = isinstance(items, (list, tuple))
+    if checked:
         for key, t in items:
             _reload_slot(key, t, slots, alias_of, computed, prefix, known)
+        try:
+            check_finite([(t, f"tensor {key!r}") for key, t in items])
+        except ValueError as e:
+            raise ValueError(f"reload_weights: {e}; nothing of this call was applied") from None
     report = ReloadReport()
     pending: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     for key, t in items:
         try:
-            name, slot = _reload_slot(key, t, slots, alias_of, computed, prefix, known)
+            _apply_one(key, t, slots, alias_of, computed, prefix, known, pending, report, checked)
         except (ValueError, TypeError) as e:
-            done = len(report.updated_layers) + len(report.copied)
-            raise type(e)(f"{e} ({done} earlier tensors of this call were already applied)") from None
-        if slot is None:
-            report.skipped.append(key)
-        elif slot.kind == "fp8":
-            layer = slot.owner
-            assert isinstance(layer, Fp8Linear)
-            layer_name = name.rsplit(".", 1)[0]
-            parts = pending.setdefault(layer_name, {})
-            parts[slot.leaf] = (key, t)
-            if "weight" in parts and (layer.bias is None or "bias" in parts):
-                wkey, w = parts["weight"]
-                try:
-                    with torch.no_grad():
-                        layer.load_(w, parts["bias"][1] if "bias" in parts else None)
-                except ValueError as e:
-                    raise ValueError(f"reload_weights: {wkey!r}: {e}") from None
-                del pending[layer_name]
-                report.updated_layers.append(layer_name)
-        else:
-            store = slot.owner._parameters if slot.kind == "param" else slot.owner._buffers
-            with torch.no_grad():
-                store[slot.leaf].copy_(t)
-            report.copied.append(name)
+            raise type(e)(f"{e}; {_applied(report)}") from None
     for layer_name, parts in pending.items():
         needed = ("weight", "bias") if slots[f"{layer_name}.weight"].owner.bias is not None else ("weight",)
         report.partial.append((layer_name, [f"{layer_name}.{leaf}" for leaf in needed if leaf not in parts]))
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _apply_one(key: str, t: torch.Tensor, slots: dict[str, Slot], alias_of: dict[str, str],
+               computed: set[str], prefix: str, known: set[str],
+               pending: dict[str, dict[str, tuple[str, torch.Tensor]]], report: ReloadReport,
+               checked: bool) -> None:
+    """Write one tensor (or, with its last part, one whole FP8 layer); `checked`: NaN/Inf done already."""
+    name, slot = _reload_slot(key, t, slots, alias_of, computed, prefix, known)
+    if slot is None:
+        report.skipped.append(key)
+        return
+    if slot.kind != "fp8":
+        if not checked:
+            check_finite([(t, f"reload_weights: tensor {key!r}")])
+        store = slot.owner._parameters if slot.kind == "param" else slot.owner._buffers
+        with torch.no_grad():
+            store[slot.leaf].copy_(t)
+        report.copied.append(name)
+        return
+    layer = slot.owner
+    assert isinstance(layer, Fp8Linear)
+    layer_name = name.rsplit(".", 1)[0]
+    if not checked and slot.leaf == "bias":  # the quantizer checks the weight before writing it
+        check_finite([(t, f"reload_weights: tensor {key!r}")])
+    parts = pending.setdefault(layer_name, {})
+    parts[slot.leaf] = (key, t)
+    if "weight" not in parts or (layer.bias is not None and "bias" not in parts):
+        return
+    wkey, w = parts["weight"]
+    bias = parts["bias"][1] if "bias" in parts else None
+    try:
+        with torch.no_grad():
+            layer.load_(w, bias)
+    except ValueError as e:
+        raise ValueError(f"reload_weights: {wkey!r}: {e}") from None
+    del pending[layer_name]
+    report.updated_layers.append(layer_name)

@@ -11,8 +11,14 @@ import torch
 from .config import WEIGHT_GROUP, Scheme
 from .numerics import dequantize
 
-_STATS_CHUNK_BYTES = 4 << 20  # float32 bytes per chunk when measuring the weight error
+_STATS_CHUNK_BYTES = 4 << 20  # float64 bytes per chunk when measuring the weight error
+# A layer is flagged when more of its nonzero weights quantize to zero than this (normal weights: far
+# fewer), or when one scale group (its tensor, row or 128x128 tile) loses more than GROUP_FLUSHED_WARN:
+# an outlier weight sets its group's scale so high that the rest of the group flushes to zero.
+ZERO_FLUSHED_WARN = 1e-3
+GROUP_FLUSHED_WARN = 0.5
 PLAN_TOKENS = (1, 16, 4096)   # tokens per call at which the report names each layer's kernel path
+_GROUP_NAME = {Scheme.TENSOR: "tensor", Scheme.CHANNEL: "row", Scheme.BLOCK: "128x128 tile"}
 
 
 @dataclass
@@ -29,6 +35,8 @@ class LayerRow:
     sqnr_db: float | None
     rel_diff: float | None
     plan: dict[str, str] = field(default_factory=dict)
+    zero_flushed: float | None = None         # fraction of the nonzero weights that quantized to 0
+    worst_group_flushed: float | None = None  # the same fraction in the layer's worst scale group
 
 
 @dataclass
@@ -52,7 +60,8 @@ class LoadReport:
     """Filled by `load` and `quantize_`.
 
     layers: one row per quantized layer. ignored: (module, reason) for every linear left alone.
-    skipped_tensors: (checkpoint tensor, reason) read but not used (e.g. a tied duplicate).
+    skipped_tensors: (checkpoint tensor, reason) read but not used (a tied duplicate, a legacy inv_freq).
+    warnings(): layers whose outliers flushed many weights to zero (also in to_dict() and the summary).
     bf16_bytes: the quantized layers' weights at 2 bytes/element; fp8_bytes: their FP8 weights + scales.
     model_bytes: every parameter and buffer of the final model (embeddings, norms and lm_head included).
     peak_device_bytes: torch.cuda.max_memory_allocated during the load (reset at its start); None off CUDA.
@@ -106,12 +115,13 @@ class LoadReport:
         peak = "n/a (not CUDA)" if self.peak_device_bytes is None else _mib(self.peak_device_bytes)
         if self.device_bytes_at_start:
             peak += f" (incl. {_mib(self.device_bytes_at_start)} held before the load)"
-        return [f"quantized {len(self.layers)} layers ({self.scheme}): {_mib(self.bf16_bytes)} bf16 -> "
+        lines = [f"quantized {len(self.layers)} layers ({self.scheme}): {_mib(self.bf16_bytes)} bf16 -> "
                 f"{_mib(self.fp8_bytes)} fp8 incl. scales ({ratio:.2f}x smaller); whole model "
                 f"{_mib(self.model_bytes)} on {self.device}",
                 f"time {self.load_s:.2f} s; peak device memory {peak}; peak host RSS "
                 + ("n/a (no resource module)" if self.peak_host_rss_bytes is None
                    else f"{_mib(self.peak_host_rss_bytes)} (process-wide maximum since start)")]
+        return lines + [f"WARNING: {w}" for w in self.warnings()]
 
     def plan_lines(self) -> list[str]:
         """The kernel path at 1, 16 and 4096 tokens per call, once per distinct set of paths."""
@@ -137,7 +147,13 @@ class LoadReport:
                     row[key] = None
         out["ignored"] = [list(x) for x in self.ignored]
         out["skipped_tensors"] = [list(x) for x in self.skipped_tensors]
+        out["warnings"] = self.warnings()
         return out
+
+    def warnings(self) -> list[str]:
+        """One line per layer that lost too many weights to zero (thresholds: ZERO_FLUSHED_WARN and
+        GROUP_FLUSHED_WARN)."""
+        return [text for row in self.layers if (text := flush_warning(row))]
 
 
 @dataclass
@@ -147,7 +163,7 @@ class ReloadReport:
     updated_layers: list[str] = field(default_factory=list)
     copied: list[str] = field(default_factory=list)
     partial: list[tuple[str, list[str]]] = field(default_factory=list)  # (layer, names that did not arrive)
-    skipped: list[str] = field(default_factory=list)  # non-persistent buffers: the model computes them
+    skipped: list[str] = field(default_factory=list)  # the model computes them (buffers, legacy inv_freq)
     seconds: float = 0.0
 
     @property
@@ -172,36 +188,80 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
 
 
+def flush_warning(row: LayerRow) -> str:
+    """The warning for a layer that flushed too many weights to zero, or "" for a healthy one."""
+    frac, worst = row.zero_flushed, row.worst_group_flushed
+    if frac is None or (frac <= ZERO_FLUSHED_WARN and (worst or 0.0) <= GROUP_FLUSHED_WARN):
+        return ""
+    group = _GROUP_NAME.get(Scheme(row.scheme), "scale group")
+    return (f"layer {row.name}: {frac:.2%} of its nonzero weights quantized to zero ({worst:.0%} in its "
+            f"worst {group}; thresholds {ZERO_FLUSHED_WARN:.1%} per layer, {GROUP_FLUSHED_WARN:.0%} per "
+            f"{group}): an outlier weight sets the scale; check the checkpoint's values or ignore this layer")
+
+
+# Same-size integer views and sign masks: `x & mask == 0` finds +0 and -0 of any float without a cast.
+_INT_VIEW = {1: (torch.uint8, 0x7F), 2: (torch.int16, 0x7FFF), 4: (torch.int32, 0x7FFFFFFF)}
+
+
+def _is_zero(t: torch.Tensor) -> torch.Tensor:
+    """Bool mask of the zeros (either sign) of a float tensor, read from its bits."""
+    if t.element_size() not in _INT_VIEW:
+        return t == 0
+    dtype, mask = _INT_VIEW[t.element_size()]
+    return (t.view(dtype) & mask) == 0
+
+
+def _group_counts(mask: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    """Count of True per scale group of the rows `mask` [r, K] covers (block rows start on a tile)."""
+    match scheme:
+        case Scheme.TENSOR:
+            return torch.count_nonzero(mask).reshape(1)
+        case Scheme.CHANNEL:
+            return torch.count_nonzero(mask, dim=1)
+    m = torch.nn.functional.pad(mask.to(torch.int32), (0, -mask.shape[1] % 128, 0, -mask.shape[0] % 128))
+    return m.reshape(m.shape[0] // 128, 128, m.shape[1] // 128, 128).sum((1, 3)).flatten()
+
+
 def weight_error(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: Scheme
-                 ) -> tuple[float, float]:
-    """(SQNR dB, rel_diff) of `dequantize(q, scale)` against `w` `[N, K]`, in row chunks of ~4 MiB
-    float32 so the temporaries stay small whatever the layer size."""
+                 ) -> tuple[float, float, float, float]:
+    """(SQNR dB, rel_diff, zero_flushed, worst_group_flushed) of `dequantize(q, scale)` against `w`
+    `[N, K]`: sums in float64 (float32 squares overflow past 1.8e19), in row chunks of ~4 MiB so the
+    temporaries stay small whatever the layer size; one host sync per layer."""
     rows, cols = w.shape
     group = WEIGHT_GROUP[scheme]
     align = 128 if scheme is Scheme.BLOCK else 1
-    step = max(_STATS_CHUNK_BYTES // (4 * max(cols, 1)) // align * align, align)
-    acc = torch.zeros(4, dtype=torch.float64, device=w.device)  # |a|², |b|², <a,b>, |a-b|²
+    step = max(_STATS_CHUNK_BYTES // (8 * max(cols, 1)) // align * align, align)
+    # |a|², |b|², <a,b>, |a-b|², flushed, nonzero, worst group fraction (tensor: from the totals)
+    acc = torch.zeros(7, dtype=torch.float64, device=w.device)
     for r in range(0, rows, step):
-        a = w[r:r + step].float()
+        wc, qc = w[r:r + step], q[r:r + step]
+        a = wc.double().reshape(-1)
         match scheme:
             case Scheme.TENSOR:
-                s = scale.reshape(1, 1)
-                b = q[r:r + step].float() * s
+                b = qc.double() * scale.double().reshape(1, 1)
             case Scheme.CHANNEL:
-                b = q[r:r + step].float() * scale.reshape(-1, 1)[r:r + step]
+                b = qc.double() * scale.double().reshape(-1, 1)[r:r + step]
             case Scheme.BLOCK:
-                b = dequantize(q[r:r + step], scale[r // 128:(r + step + 127) // 128], group)
-        acc[0] += (a * a).sum(dtype=torch.float64)
-        acc[1] += (b * b).sum(dtype=torch.float64)
-        acc[2] += (a * b).sum(dtype=torch.float64)
+                b = dequantize(qc, scale[r // 128:(r + step + 127) // 128], group).double()
+        b = b.reshape(-1)
+        acc[0] += a @ a
+        acc[1] += b @ b
+        acc[2] += a @ b
         b.sub_(a)
-        acc[3] += (b * b).sum(dtype=torch.float64)
-        del a, b
-    aa, bb, ab, noise = acc.tolist()
+        acc[3] += b @ b
+        nonzero = ~_is_zero(wc)
+        f, n = _group_counts(nonzero & _is_zero(qc), scheme), _group_counts(nonzero, scheme)
+        acc[4] += f.sum()
+        acc[5] += n.sum()
+        acc[6] = torch.maximum(acc[6], (f.double() / n.clamp(min=1)).max())
+        del a, b, nonzero
+    aa, bb, ab, noise, n_flushed, n_nonzero, worst = acc.tolist()
+    frac = n_flushed / n_nonzero if n_nonzero else 0.0
+    worst = frac if scheme is Scheme.TENSOR else worst
     rel = 0.0 if aa + bb == 0 else 1.0 - 2.0 * ab / (aa + bb)
     if noise == 0.0:
-        return math.inf, rel
-    return (10.0 * math.log10(aa / noise) if aa > 0 else -math.inf), rel
+        return math.inf, rel, frac, worst
+    return (10.0 * math.log10(aa / noise) if aa > 0 else -math.inf), rel, frac, worst
 
 
 def plan_names(layer) -> dict[str, str]:

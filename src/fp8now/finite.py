@@ -1,0 +1,49 @@
+"""NaN/Inf checks for the float tensors a load or reload stores as they are (norms, biases, embeddings,
+lm_head): one pass per tensor, one host sync per batch of tensors instead of one per tensor."""
+
+from __future__ import annotations
+
+import torch
+
+_CHUNK = 1 << 24  # elements per isfinite pass (its bool temporary)
+
+
+class FiniteCheck:
+    """Collects one on-device "all finite" flag per float tensor; `raise_if_bad` syncs once for all."""
+
+    def __init__(self) -> None:
+        self._flags: list[torch.Tensor] = []
+        self._names: list[str] = []
+
+    def add(self, t: torch.Tensor, name: str) -> None:
+        """Queue `t` (any dtype; only floats are checked); `name` says which tensor in which file."""
+        if t.is_floating_point() and t.numel():
+            flat = t.reshape(-1)
+            flag = torch.isfinite(flat[:_CHUNK]).all()
+            for i in range(_CHUNK, flat.numel(), _CHUNK):  # bounded temporaries for a large embedding
+                flag &= torch.isfinite(flat[i:i + _CHUNK]).all()
+            self._flags.append(flag)
+            self._names.append(name)
+
+    def raise_if_bad(self) -> None:
+        """Raise a ValueError naming the first tensor holding NaN or Inf; then start empty."""
+        flags, names = self._flags, self._names
+        self._flags, self._names = [], []
+        if not flags:
+            return
+        ok = torch.stack([f.to(flags[0].device) for f in flags])
+        if bool(ok.all()):
+            return
+        bad = [names[i] for i in (~ok).nonzero().flatten().tolist()]
+        more = f" (and {len(bad) - 1} more: {', '.join(bad[1:4])}{', ...' if len(bad) > 4 else ''})" \
+            if len(bad) > 1 else ""
+        raise ValueError(f"{bad[0]} contains NaN or Inf{more}; fix or re-export the checkpoint "
+                         "(a non-finite value makes every output NaN)")
+
+
+def check_finite(tensors: list[tuple[torch.Tensor, str]]) -> None:
+    """Raise (naming the tensor) if any float tensor in `tensors` holds NaN or Inf; one sync in all."""
+    check = FiniteCheck()
+    for t, name in tensors:
+        check.add(t, name)
+    check.raise_if_bad()

@@ -1,0 +1,64 @@
+"""Host memory of a CPU load (issue 30 item 5), measured in a fresh process on a ~250 MB checkpoint: the
+peak RSS the load adds stays within the final model + its largest tensor in bf16 + 256 MiB, and the
+loaded model keeps no mapping of the checkpoint file."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from tiny import write_tiny_checkpoint
+
+MIB = 1 << 20
+
+PROBE = textwrap.dedent("""
+    import json, sys
+    from fp8now import Fp8Config
+    from fp8now.loader import load
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+    folder, warm, scheme = sys.argv[1:4]
+    load(warm, Fp8Config(scheme=scheme), device="cpu")  # imports and first use are not the load
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")                                    # restart the peak (VmHWM) here
+    before = status("VmRSS")
+    model, report = load(folder, Fp8Config(scheme=scheme), device="cpu")
+    maps = [line.split()[-1] for line in open("/proc/self/maps") if folder in line]
+    print(json.dumps({"before": before, "peak": status("VmHWM"), "model_bytes": report.model_bytes,
+                      "maps": maps, "params": sum(p.numel() for p in model.parameters())}))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_load_peak_rss_and_no_file_mapping(tmp_path):
+    big = write_tiny_checkpoint(tmp_path / "big", "llama", hidden_size=1024, intermediate_size=1024,
+                                num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+                                vocab_size=48000, tie=False)
+    warm = write_tiny_checkpoint(tmp_path / "warm", "llama")
+    with safe_open(str(big / "model.safetensors"), framework="pt") as f:
+        largest_bf16 = max(2 * math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert (big / "model.safetensors").stat().st_size > 200 * MIB
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", PROBE, str(big), str(warm), "channel"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["maps"] == [], f"the loaded model still maps {got['maps']}"
+    added = got["peak"] - got["before"]
+    bound = got["model_bytes"] + largest_bf16 + 256 * MIB
+    assert added <= bound, (f"load peak RSS +{added / MIB:.0f} MiB > bound {bound / MIB:.0f} MiB "
+                            f"(model {got['model_bytes'] / MIB:.0f} MiB, largest {largest_bf16 / MIB:.0f} MiB)")
+    assert got["model_bytes"] < (big / "model.safetensors").stat().st_size  # FP8 layers really are smaller
