@@ -19,6 +19,7 @@ from .hf import (Slot, build_skeleton, keep_fp32_names, model_slots, resolve_nam
                  target_linears)
 from .linear import Fp8Linear, check_float_weight
 from .report import LayerRow, LoadReport, peak_host_rss_bytes, tensor_bytes, weight_error
+from .tp import TpState, shard
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -93,7 +94,7 @@ def _check_header(slot: Slot, key: str, path: Path, shape: tuple[int, ...], st_d
 
 
 def _quantize_layer(layer: Fp8Linear, parts: dict[str, tuple[torch.Tensor, Path, str]],
-                    device: torch.device, dtype: torch.dtype, measure: bool) -> LayerRow:
+                    device: torch.device, dtype: torch.dtype, measure: bool, tp: TpState | None) -> LayerRow:
     """Move a complete layer to the device, quantize it from its own float dtype, drop the float copy."""
     host_w, path, key = parts.pop("weight")
     w = host_w.to(device)
@@ -101,7 +102,7 @@ def _quantize_layer(layer: Fp8Linear, parts: dict[str, tuple[torch.Tensor, Path,
     bias = parts.pop("bias", None)
     b = None if bias is None else bias[0].to(device=device, dtype=dtype)
     try:
-        layer.load_(w, b)
+        layer.load_(w, b) if tp is None else tp.load_layer(layer, w, b)  # tp: SPEC §6 scales
     except ValueError as e:
         raise ValueError(f"{path}: tensor {key!r}: {e}") from None
     sqnr = rel = None
@@ -127,7 +128,7 @@ def _materialize(slot: Slot, t: torch.Tensor, device: torch.device, dtype: torch
 
 
 def _stream(by_file: dict[Path, list[tuple[str, str]]], slots: dict[str, Slot], device: torch.device,
-            dtype: torch.dtype, measure: bool) -> list[LayerRow]:
+            dtype: torch.dtype, measure: bool, tp: TpState | None = None) -> list[LayerRow]:
     from safetensors import safe_open
 
     rows: list[LayerRow] = []
@@ -142,7 +143,7 @@ def _stream(by_file: dict[Path, list[tuple[str, str]]], slots: dict[str, Slot], 
         with handle as f:
             for key, name in entries:
                 try:
-                    t = f.get_tensor(key)
+                    t = f.get_tensor(key) if tp is None else tp.read(f, key, name)  # tp: this rank's slice
                 except Exception as e:
                     raise corrupt_error(path, e) from None
                 slot = slots[name]
@@ -155,7 +156,7 @@ def _stream(by_file: dict[Path, list[tuple[str, str]]], slots: dict[str, Slot], 
                 parts[slot.leaf] = (t, path, key)
                 del t
                 if "weight" in parts and (layer.bias is None or "bias" in parts):
-                    rows.append(_quantize_layer(layer, pending.pop(layer.name), device, dtype, measure))
+                    rows.append(_quantize_layer(layer, pending.pop(layer.name), device, dtype, measure, tp))
     if pending:  # cannot happen after _source_map; kept as a guard against silent partial loads
         raise RuntimeError(f"layers left incomplete after reading every file: {', '.join(pending)}")
     return rows
@@ -185,7 +186,8 @@ def default_device() -> torch.device:
 
 def load(model_dir: str | Path, config: Fp8Config | None = None,
          device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16, *,
-         measure_error: bool = True) -> tuple[nn.Module, LoadReport]:
+         measure_error: bool = True, tp_plan: str | dict[str, str] | None = None,
+         tp_group=None) -> tuple[nn.Module, LoadReport]:
     """Load a bf16/fp16/fp32 Hugging Face checkpoint folder with its block linears quantized to FP8.
 
     Builds the transformers model on the meta device, swaps the target linears for `Fp8Linear`,
@@ -194,6 +196,10 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
     available, else cpu). Non-quantized tensors are stored in `dtype`. `measure_error` computes each
     layer's SQNR / rel_diff for the report (one chunked dequantize per layer).
     Returns `(model, report)`; the model is in eval mode with no tensor left on meta.
+
+    `tp_plan="auto"` (the model's own transformers plan) or a dict {module pattern: style}, inside
+    torchrun with torch.distributed initialised: each rank of `tp_group` (default: all) reads only
+    its slice of every planned tensor and quantizes it to the bytes of that slice at TP=1 (SPEC §6).
     """
     start = time.perf_counter()
     config = config or Fp8Config()
@@ -213,12 +219,16 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
         raise ValueError(f"{model_dir}: nothing to quantize: all {len(ignored)} linear layers are left "
                          f"alone (e.g. {ignored[0] if ignored else 'none found'}); loosen Fp8Config.ignore")
     swap_linears(model, targets, config, "meta", dtype)
+    tp = None if tp_plan is None else shard(model, tp_plan, config, tp_group)  # local shapes, on meta
     slots, alias_of, computed = model_slots(model)
+    if tp is not None:
+        tp.full_shapes_into(slots)
+        model._fp8now_tp = tp
     for name in keep_fp32_names(model, slots):
         slots[name].keep_fp32 = slots[name].kind == "param"
     by_file, skipped = _source_map(model_dir, files, slots, alias_of, computed,
                                    getattr(model, "base_model_prefix", "") or "")
-    rows = _stream(by_file, slots, device, dtype, measure_error)
+    rows = _stream(by_file, slots, device, dtype, measure_error, tp)
     _finish(model, device, str(model_dir))
     report = _report(model, rows, ignored, str(model_dir), device, dtype, config)
     report.skipped_tensors = skipped
