@@ -49,6 +49,9 @@ def reload_weights(model: nn.Module,
     """
     start = time.perf_counter()
     slots, alias_of, computed = model_slots(model)
+    tp = getattr(model, "_fp8now_tp", None)  # tensor parallel: full tensors in, this rank's slices kept
+    if tp is not None:
+        tp.full_shapes_into(slots)
     prefix = getattr(model, "base_model_prefix", "") or ""
     known = set(slots) | set(alias_of) | computed
     items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else named_tensors
@@ -74,8 +77,9 @@ def reload_weights(model: nn.Module,
             if "weight" in parts and (layer.bias is None or "bias" in parts):
                 wkey, w = parts["weight"]
                 try:
+                    b = parts["bias"][1] if "bias" in parts else None
                     with torch.no_grad():
-                        layer.load_(w, parts["bias"][1] if "bias" in parts else None)
+                        layer.load_(w, b) if tp is None else tp.reload_layer(layer, w, b)
                 except ValueError as e:
                     raise ValueError(f"reload_weights: {wkey!r}: {e}") from None
                 del pending[layer_name]
@@ -83,7 +87,7 @@ def reload_weights(model: nn.Module,
         else:
             store = slot.owner._parameters if slot.kind == "param" else slot.owner._buffers
             with torch.no_grad():
-                store[slot.leaf].copy_(t)
+                store[slot.leaf].copy_(t if tp is None else tp.local(name, t))
             report.copied.append(name)
     for layer_name, parts in pending.items():
         needed = ("weight", "bias") if slots[f"{layer_name}.weight"].owner.bias is not None else ("weight",)

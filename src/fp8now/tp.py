@@ -82,8 +82,16 @@ def resolve_plan(model: nn.Module, tp_plan: str | dict[str, str]) -> dict[str, s
         plan = dict(tp_plan)
     else:
         raise TypeError(f"tp_plan must be 'auto' or a dict of module pattern -> style, got {tp_plan!r}")
+    ep_plan = dict(getattr(model, "_ep_plan", None) or {})
+    modules = [name for name, _ in model.named_modules()]
+    params = {name for name, _ in model.named_parameters()}
+    for name in [*modules, *params]:
+        per_param = name in params and generic_name(name) in plan  # transformers' MoE expert styles
+        if per_param or name in ep_plan or generic_name(name) in ep_plan:
+            raise ValueError(f"{name}: MoE experts (expert parallelism, or TP inside experts) are not yet "
+                             "supported under tp_plan; issue 26's MoE part adds them")
     out: dict[str, str] = {}
-    for name, _ in model.named_modules():
+    for name in modules:
         style = plan.get(name, plan.get(generic_name(name)))
         if style is None:
             continue
@@ -170,6 +178,10 @@ class TpState:
         """This rank's slice of a full tensor given by name (reload_weights)."""
         sl = self.slices.get(name)
         return t if t is None or sl is None else sl.of(t)
+
+    def reload_layer(self, layer: Fp8Linear, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """reload_weights: slice the full tensors, then load like at load time (same collective)."""
+        self.load_layer(layer, self.local(f"{layer.name}.weight", w), self.local(f"{layer.name}.bias", bias))
 
     def collective(self, fn, what: str) -> None:
         """Run one collective; a failure or timeout names what this rank was doing."""
