@@ -126,12 +126,15 @@ def test_every_scheme_matches_tp1_slices(tmp_path, size, family):
 
 def test_other_families_match_tp1(tmp_path):
     """The other families' own plans at TP=2 (phi3's fused projections gathered then split again,
-    gemma's head tied to its embeddings, qwen3's head norms) give the TP=1 logits with tp_invariant."""
+    gemma's head tied to its embeddings, qwen3's head norms), and phi3 with a user plan splitting its
+    fused gate_up in halves (packed_colwise), give the TP=1 logits with tp_invariant."""
     for family in FAMILIES:
         tiny_model(family).save_pretrained(tmp_path / "ckpts" / family)
-    ranks = _spawn(2, "families", tmp_path / "ckpts", tmp_path / "out", ",".join(FAMILIES))
-    for family in FAMILIES:
-        model, _ = fp8now.load(tmp_path / "ckpts" / family, Fp8Config(scheme="tensor"), device="cpu")
+    runs = (*FAMILIES, "phi3+packed")
+    ranks = _spawn(2, "families", tmp_path / "ckpts", tmp_path / "out", ",".join(runs))
+    for family in runs:
+        model, _ = fp8now.load(tmp_path / "ckpts" / family.split("+")[0], Fp8Config(scheme="tensor"),
+                               device="cpu")
         with torch.no_grad():
             ref = model(IDS).logits.float()
         for r in ranks:
@@ -169,7 +172,7 @@ def test_plan_errors_without_processes(tmp_path):
     """No process group, MoE experts (not built yet), an unknown style: clear errors, nothing loaded."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fp8now.tp import resolve_plan
+    from fp8now.tp_plan import resolve_plan
 
     ckpt = _save(tmp_path / "ckpt", "llama")
     with pytest.raises(RuntimeError, match="torchrun"):

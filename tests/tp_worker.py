@@ -14,6 +14,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+# phi3 with its fused gate_up split in its two halves (transformers' packed_colwise) instead of gathered.
+PACKED_PHI3 = {"model.layers.*.self_attn.qkv_proj": "colwise_gather_output",
+               "model.layers.*.self_attn.o_proj": "rowwise_split_input",
+               "model.layers.*.mlp.gate_up_proj": "packed_colwise", "model.layers.*.mlp.down_proj": "rowwise",
+               "lm_head": "colwise_gather_output"}
 IDS = torch.tensor([[1, 17, 250, 3, 499, 42, 77, 128, 300, 5, 64, 411, 9, 2, 388, 120]])
 
 
@@ -111,8 +116,9 @@ def run(rank: int, size: int, port: int, scenario: str, ckpt: str, out: str, ext
             result[scheme, "reloaded"] = layer_bytes(model)
     elif scenario == "families":
         for family in extra.split(","):
-            model, _ = fp8now.load(Path(ckpt) / family, Fp8Config(scheme="tensor", tp_invariant=True),
-                                   device="cpu", measure_error=False, tp_plan="auto")
+            plan = PACKED_PHI3 if family == "phi3+packed" else "auto"
+            model, _ = fp8now.load(Path(ckpt) / family.split("+")[0], Fp8Config(scheme="tensor", tp_invariant=True),
+                                   device="cpu", measure_error=False, tp_plan=plan)
             with torch.no_grad():
                 result[family] = (model(IDS).logits.float(), model._fp8now_tp.replicated)
     elif scenario == "unaligned":

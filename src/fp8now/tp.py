@@ -1,15 +1,14 @@
-"""Tensor parallelism on the model's own transformers plan (SPEC §6): which tensors split how, the
-slice each rank reads, and the weight-scale amax reduced over the TP group.
+"""Tensor parallelism on the model's own transformers plan (SPEC §6): the slice each rank reads,
+and the weight-scale amax reduced over the TP group.
 
-transformers' plan names the style of each module (`colwise`, `rowwise`, ...); STYLES below says
-what each style means for the weight. The forward collectives live in tp_forward.py. Every layer
+tp_plan.py turns the model's plan into a style per module; tp_forward.py holds the forward
+collectives. Every layer
 makes one small collective at load (a failure flag, plus the amax where a scale group spans the
 split), so all ranks stay in step and a rank that fails stops the others with the layer's name.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import torch
@@ -20,32 +19,10 @@ from . import numerics
 from .config import Fp8Config, Scheme
 from .hf import set_submodule, tied_names
 from .linear import Fp8Linear, check_float_weight
+from .tp_plan import STYLES, Style, check_heads, resolve_plan
 from .tp_forward import check_invariant_backend, install
 
 
-@dataclass(frozen=True)
-class Style:
-    """What a transformers TP style does to a module's weight (split dim) and to its forward."""
-
-    split: str                 # "out": column-parallel; "in": row-parallel; "vocab": embedding rows; "none"
-    gather: bool = False       # column-parallel with the output all-gathered (replicated after)
-    split_input: bool = False  # row-parallel whose input arrives whole: each rank takes its columns
-    packed: int = 1            # the output dim stacks `packed` parts (fused gate_up), each split
-
-
-# transformers style name -> Style (names as in transformers 5.17 - 5.25).
-STYLES: dict[str, Style] = {
-    "colwise": Style("out"),
-    "colwise_rep": Style("out", gather=True),
-    "colwise_gather_output": Style("out", gather=True),
-    "packed_colwise": Style("out", packed=2),
-    "rowwise": Style("in"),
-    "rowwise_rep": Style("in", split_input=True),
-    "rowwise_split_input": Style("in", split_input=True),
-    "embedding_rowwise": Style("vocab"),
-    "replicated_with_grad_allreduce": Style("none"),
-    "replicate": Style("none"),
-}
 BLOCK = 128  # block-scheme tile: slices must start on multiples of it (SPEC §6)
 
 
@@ -64,42 +41,6 @@ class Slice:
 
     def index(self, a: int, b: int) -> tuple[slice, ...]:
         return (slice(None),) * self.dim + (slice(a, b),)
-
-
-def generic_name(name: str) -> str:
-    """`model.layers.3.mlp` -> `model.layers.*.mlp`, how transformers keys its plans."""
-    return re.sub(r"\.\d+(\.|$)", r".*\1", name)
-
-
-def resolve_plan(model: nn.Module, tp_plan: str | dict[str, str]) -> dict[str, str]:
-    """Module name -> style name, from the model's own plan ("auto") or a user dict of the same form."""
-    if tp_plan == "auto":
-        plan = dict(getattr(model, "_tp_plan", None) or {})
-        if not plan:
-            raise ValueError(f"{type(model).__name__} defines no tensor-parallel plan (config.base_model_tp_plan"
-                             "); pass tp_plan={module pattern: style} to fp8now.load")
-    elif isinstance(tp_plan, dict):
-        plan = dict(tp_plan)
-    else:
-        raise TypeError(f"tp_plan must be 'auto' or a dict of module pattern -> style, got {tp_plan!r}")
-    ep_plan = dict(getattr(model, "_ep_plan", None) or {})
-    modules = [name for name, _ in model.named_modules()]
-    params = {name for name, _ in model.named_parameters()}
-    for name in [*modules, *params]:
-        per_param = name in params and generic_name(name) in plan  # transformers' MoE expert styles
-        if per_param or name in ep_plan or generic_name(name) in ep_plan:
-            raise ValueError(f"{name}: MoE experts (expert parallelism, or TP inside experts) are not yet "
-                             "supported under tp_plan; issue 26's MoE part adds them")
-    out: dict[str, str] = {}
-    for name in modules:
-        style = plan.get(name, plan.get(generic_name(name)))
-        if style is None:
-            continue
-        if style not in STYLES:
-            raise ValueError(f"tensor-parallel style {style!r} of {name} is not supported by fp8now yet "
-                             f"(known: {', '.join(STYLES)}); MoE expert styles arrive with issue 26's MoE part")
-        out[name] = style
-    return out
 
 
 def _ranges(n: int, size: int, rank: int, parts: int, what: str) -> tuple[tuple[int, int], ...]:
@@ -122,18 +63,6 @@ def _check_block(name: str, sl: Slice) -> None:
                              f"on a multiple of {BLOCK}, but this rank holds {what} {a}:{b} of {full}; choose a "
                              "TP size that keeps 128-aligned shards, the channel or tensor scheme, or ignore "
                              "the layer")
-
-
-def _check_heads(model: nn.Module, plan: dict[str, str], size: int) -> None:
-    """Column-split attention projections must keep whole heads on each rank."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    split = [n for n, s in plan.items() if STYLES[s].split == "out" and not STYLES[s].gather
-             and n.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj")]
-    for field_name in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(cfg, field_name, None)
-        if split and isinstance(heads, int) and heads % size:
-            raise ValueError(f"tensor parallel size {size} does not divide {field_name}={heads} of this model "
-                             f"(e.g. {split[0]} would split a head); choose a TP size that divides it")
 
 
 @dataclass
@@ -243,7 +172,7 @@ def shard(model: nn.Module, tp_plan: str | dict[str, str], config: Fp8Config, gr
     group = group or dist.group.WORLD
     state = TpState(group, dist.get_rank(group), dist.get_world_size(group), config.tp_invariant)
     plan = resolve_plan(model, tp_plan)
-    _check_heads(model, plan, state.size)
+    check_heads(model, plan, state.size)
     modules = dict(model.named_modules())
     for name, style_name in plan.items():
         style, module = STYLES[style_name], modules[name]
