@@ -187,3 +187,23 @@ def test_plan_errors_without_processes(tmp_path):
     dense = build_skeleton(ckpt, torch.bfloat16)
     with pytest.raises(ValueError, match=r"style 'sideways' of model\.layers\.0\.mlp\.up_proj"):
         resolve_plan(dense, {"model.layers.*.mlp.up_proj": "sideways"})
+
+
+@pytest.mark.parametrize("scheme", ["tensor", "channel"])
+@pytest.mark.parametrize("shape", [(320, 192), (64, 1000), (7, 6)])
+def test_global_amax_gives_the_unsplit_bytes(scheme, shape):
+    """numerics alone: shards quantized with the MAX of their amaxes equal the slices of the whole."""
+    from fp8now.numerics import quantize_weight, weight_amax
+
+    g = torch.Generator().manual_seed(shape[0] * shape[1])
+    w = (torch.randn(shape, generator=g) * torch.exp(2 * torch.randn(shape[0], 1, generator=g))).bfloat16()
+    q, s = quantize_weight(w, scheme)
+    for dim in (0, 1):
+        if scheme == "channel" and dim == 0:
+            continue  # a row split needs no reduction for per-row scales
+        halves = w.chunk(2, dim=dim)
+        amax = torch.maximum(*(weight_amax(h, scheme) for h in halves))
+        for h, q_want in zip(halves, q.chunk(2, dim=dim)):
+            q_got, s_got = quantize_weight(h, scheme, amax=amax, chunk_bytes=256)
+            assert torch.equal(q_got.view(torch.uint8), q_want.view(torch.uint8))
+            assert torch.equal(s_got, s)
