@@ -129,6 +129,8 @@ class Fp8Config:
     activation: "auto", or force per-"token" / per-"tensor" activation scales where the scheme allows.
     decode_graphs: on the triton backend, replay eager calls with M <= 256 from per-layer CUDA graphs
         (fp8now.decode_graphs: same bytes, a fraction of the host time); False launches every call.
+    tp_invariant: under tensor parallelism, reduce row-parallel inputs' per-token amax over the TP
+        group (MAX) before quantizing, so the logits equal TP=1 up to summation order (SPEC §6).
     """
 
     scheme: Scheme = Scheme.CHANNEL
@@ -138,6 +140,7 @@ class Fp8Config:
     batch_invariant: bool = False
     activation: str = "auto"
     decode_graphs: bool = True
+    tp_invariant: bool = False
 
     def __post_init__(self) -> None:
         scheme, activation = _named_activation("scheme", self.scheme, self.activation)

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from . import decode_graphs
+from . import decode_graphs, numerics
 from .config import Fp8Config, Scheme
 from .kernels import backend_module, device_class, pick_backend, quantize_weight, workspace
 from .kernels.plan import Path, Table, Weights, plan
@@ -100,16 +100,22 @@ class Fp8Linear(nn.Module):
     def is_loaded(self) -> bool:
         return self.backend is not None
 
-    def load_(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def load_(self, w: torch.Tensor, bias: torch.Tensor | None = None,
+              amax: torch.Tensor | None = None) -> None:
         """Quantize a float weight `[N, K]` into this layer, in place when storage exists.
 
         On the meta device, storage is created on `w.device`; otherwise `w` is moved to the layer's
         device and the results are copied into the existing tensors (same objects, same data_ptr).
+        `amax` (numerics.weight_amax's shape): the scale groups' amax to use instead of measuring
+        it, e.g. the MAX over a tensor-parallel group (SPEC §6).
         """
         check_float_weight(w, self.name, (self.out_features, self.in_features))
         device = w.device if self.weight.is_meta else self.weight.device
         w = w.to(device)
-        q, s = quantize_weight(w, self.scheme, name=self.name or None)
+        if amax is None:
+            q, s = quantize_weight(w, self.scheme, name=self.name or None)
+        else:
+            q, s = numerics.quantize_weight(w, self.scheme, name=self.name or None, amax=amax)
         if self.weight.is_meta:
             self.weight = nn.Parameter(q, requires_grad=False)
             self.weight_scale = nn.Parameter(s.reshape(self.weight_scale.shape), requires_grad=False)

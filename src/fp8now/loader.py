@@ -26,6 +26,7 @@ from .moe import Fp8Experts
 from .moe_load import ExpertsLoad
 from .report import LayerRow, LoadReport, peak_host_rss_bytes, plan_names, tensor_bytes, weight_error
 from .tensor_file import read_tensors
+from .tp import TpState, shard
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -110,7 +111,8 @@ def _check_header(slot: Slot, key: str, path: Path, shape: tuple[int, ...], st_d
 
 
 def _quantize_layer(layer: Fp8Linear, parts: dict[str, tuple[torch.Tensor, Path, str]],
-                    device: torch.device, dtype: torch.dtype, measure: bool, finite: FiniteCheck) -> LayerRow:
+                    device: torch.device, dtype: torch.dtype, measure: bool, finite: FiniteCheck,
+                    tp: TpState | None) -> LayerRow:
     """Move a complete layer to the device, quantize it from its own float dtype, drop the float copy."""
     host_w, path, key = parts.pop("weight")
     w = host_w.to(device)
@@ -121,7 +123,7 @@ def _quantize_layer(layer: Fp8Linear, parts: dict[str, tuple[torch.Tensor, Path,
         b = bias[0].to(device=device, dtype=dtype)
         finite.add(b, f"{bias[1]}: tensor {bias[2]!r}")
     try:
-        layer.load_(w, b)
+        layer.load_(w, b) if tp is None else tp.load_layer(layer, w, b)  # tp: SPEC §6 scales
     except ValueError as e:
         raise ValueError(f"{path}: tensor {key!r}: {e}") from None
     return _row(layer, w if measure else None)
@@ -159,13 +161,15 @@ def _read(path: Path, keys: list[str]):
 
 
 def _stream(by_file: dict[Path, list[tuple[str, str]]], slots: dict[str, Slot], device: torch.device,
-            dtype: torch.dtype, measure: bool, experts: ExpertsLoad | None = None) -> list[LayerRow]:
+            dtype: torch.dtype, measure: bool, experts: ExpertsLoad | None = None,
+            tp: TpState | None = None) -> list[LayerRow]:
     rows: list[LayerRow] = []
     pending: dict[str, dict[str, tuple[torch.Tensor, Path, str]]] = {}
     finite = FiniteCheck()  # non-quantized tensors; the quantizer checks the weights it quantizes
     for path, entries in by_file.items():
         names = dict(entries)
-        for key, t in _read(path, [key for key, _ in entries]):
+        reader = _read(path, list(names)) if tp is None else tp.read_file(path, names)  # tp: its slices
+        for key, t in reader:
             slot = slots[names[key]]
             if slot.kind == "experts":
                 experts.add(names[key], key, t, path, device, dtype, measure)
@@ -180,7 +184,7 @@ def _stream(by_file: dict[Path, list[tuple[str, str]]], slots: dict[str, Slot], 
             parts[slot.leaf] = (t, path, key)
             del t
             if "weight" in parts and (layer.bias is None or "bias" in parts):
-                rows.append(_quantize_layer(layer, pending.pop(layer.name), device, dtype, measure, finite))
+                rows.append(_quantize_layer(layer, pending.pop(layer.name), device, dtype, measure, finite, tp))
     pending_names = [*pending, *(experts.unfinished() if experts is not None else [])]
     if pending_names:  # cannot happen after _source_map; kept as a guard against silent partial loads
         raise RuntimeError(f"layers left incomplete after reading every file: {', '.join(pending_names)}")
@@ -220,7 +224,8 @@ def default_device() -> torch.device:
 
 def load(model_dir: str | Path, config: Fp8Config | None = None,
          device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16, *,
-         measure_error: bool = True) -> tuple[nn.Module, LoadReport]:
+         measure_error: bool = True, tp_plan: str | dict[str, str] | None = None,
+         tp_group=None) -> tuple[nn.Module, LoadReport]:
     """Load a bf16/fp16/fp32 Hugging Face checkpoint folder with its block linears quantized to FP8.
 
     Builds the transformers model on the meta device, swaps the target linears for `Fp8Linear`,
@@ -229,6 +234,10 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
     available, else cpu). Non-quantized tensors are stored in `dtype`. `measure_error` computes each
     layer's SQNR / rel_diff for the report (one chunked dequantize per layer).
     Returns `(model, report)`; the model is in eval mode with no tensor left on meta.
+
+    `tp_plan="auto"` (the model's own transformers plan) or a dict {module pattern: style}, inside
+    torchrun with torch.distributed initialised: each rank of `tp_group` (default: all) reads only
+    its slice of every planned tensor and quantizes it to the bytes of that slice at TP=1 (SPEC §6).
     """
     start = time.perf_counter()
     config = config or Fp8Config()
@@ -252,13 +261,17 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
         raise ValueError(f"{model_dir}: nothing to quantize: all {len(ignored)} linear layers are left "
                          f"alone (e.g. {ignored[0] if ignored else 'none found'}); loosen Fp8Config.ignore")
     swap_linears(model, targets, config, "meta", dtype)
+    tp = None if tp_plan is None else shard(model, tp_plan, config, tp_group)  # local shapes, on meta
     slots, alias_of, computed = model_slots(model)
+    if tp is not None:
+        tp.full_shapes_into(slots)
+        model._fp8now_tp = tp
     experts.add_slots(slots)
     for name in keep_fp32_names(model, slots):
         slots[name].keep_fp32 = slots[name].kind == "param"
     by_file, skipped = _source_map(model_dir, files, slots, alias_of, computed,
                                    getattr(model, "base_model_prefix", "") or "", experts)
-    rows = _stream(by_file, slots, device, dtype, measure_error, experts)
+    rows = _stream(by_file, slots, device, dtype, measure_error, experts, tp)
     _finish(model, device, str(model_dir))
     _trim_heap()
     report = _report(model, rows, ignored + experts.ignored, str(model_dir), device, dtype, config)

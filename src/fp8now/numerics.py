@@ -142,52 +142,81 @@ def _row_chunk(rows: int, cols: int, align: int, chunk_bytes: int) -> int:
     return min(per, rows + (-rows % align))
 
 
+def weight_amax(w: torch.Tensor, scheme: Scheme | str, name: str | None = None,
+                chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+    """Float32 amax of each weight-scale group of `w [N, K]`: tensor `[]`, channel `[N, 1]`, block
+    `[ceil(N/128), ceil(K/128)]`, in row chunks; NaN/Inf raise. (Under TP a shard's amax is reduced
+    with MAX over the group before `quantize_weight(..., amax=)`, SPEC §6.)"""
+    scheme = Scheme.parse(scheme)
+    rows, cols = w.shape
+    group = (1, -1) if scheme is Scheme.TENSOR else WEIGHT_GROUP[scheme]
+    gr, gc = _groups(rows, cols, group)
+    step = _row_chunk(rows, cols, 128 if scheme is Scheme.BLOCK else 1, chunk_bytes)
+    parts = []
+    for r in range(0, rows, step):
+        chunk = w[r:r + step].float()
+        _check_finite(chunk, w.shape, name)
+        parts.append(_tiled(chunk, gr, gc).abs().amax(dim=(1, 3)))
+    amax = torch.cat(parts) if parts else torch.zeros((0, 1), device=w.device)
+    if scheme is Scheme.TENSOR:
+        return amax.amax() if amax.numel() else torch.zeros((), device=w.device)
+    return amax
+
+
 def _quantize_weight_2d(w: torch.Tensor, scheme: Scheme, name: str | None, fmt: Fp8Format,
-                        chunk_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+                        chunk_bytes: int, amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = w.shape
     group, rule = WEIGHT_GROUP[scheme], WEIGHT_RULE[scheme]
     align = 128 if scheme is Scheme.BLOCK else 1
     step = _row_chunk(rows, cols, align, chunk_bytes)
-    global_scale = None
+    checked = amax is None and scheme is Scheme.TENSOR
+    if checked:
+        amax = weight_amax(w, scheme, name, chunk_bytes)
+    scale = None
+    if amax is not None:
+        scale = scale_from_amax(amax.to(w.device), rule, fmt)
+        scale = scale.reshape(1, 1) if scheme is Scheme.TENSOR else scale.reshape(-1, scale.shape[-1])
     if scheme is Scheme.TENSOR:
-        amax = torch.zeros((), dtype=torch.float32, device=w.device)
-        for r in range(0, rows, step):
-            chunk = w[r:r + step].float()
-            _check_finite(chunk, w.shape, name)
-            amax = torch.maximum(amax, chunk.abs().amax()) if chunk.numel() else amax
-        global_scale = scale_from_amax(amax, rule, fmt).reshape(1, 1)
         group = (1, -1)  # any row split works once the scale is global
     q = torch.empty((rows, cols), dtype=fmt.dtype, device=w.device)
     scales = []
     for r in range(0, rows, step):
         chunk = w[r:r + step]
-        if global_scale is None:
+        if not checked:
             _check_finite(chunk.float(), w.shape, name)
-            s_in = None
-        else:
-            s_in = global_scale.expand(chunk.shape[0], 1)
+        s_in = None
+        if scheme is Scheme.TENSOR:
+            s_in = scale.expand(chunk.shape[0], 1)
+        elif scale is not None:
+            lo = r // align
+            s_in = scale[lo:lo + math.ceil(chunk.shape[0] / align)]
         q[r:r + step], s = _quantize_2d(chunk, group, rule, fmt, s_in)
         scales.append(s)
-    if global_scale is not None:
-        return q, global_scale.reshape(())
+    if scheme is Scheme.TENSOR:
+        return q, scale.reshape(())
+    if scale is not None:
+        return q, scale
     return q, torch.cat(scales, dim=0) if scales else torch.empty((0, 1), device=w.device)
 
 
 def quantize_weight(w: torch.Tensor, scheme: Scheme | str, name: str | None = None,
-                    fmt: Fp8Format = E4M3FN, chunk_bytes: int = CHUNK_BYTES
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    fmt: Fp8Format = E4M3FN, chunk_bytes: int = CHUNK_BYTES,
+                    amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a weight `[N, K]` or stacked experts `[E, N, K]` (bf16/fp16/fp32) to FP8.
 
     Returns `(q, scale)`; scale shapes: tensor `[]` (stacked `[E]`), channel `[N, 1]`
     (`[E, N, 1]`), block `[ceil(N/128), ceil(K/128)]` (`[E, ...]`). Rows are processed in chunks so
     the float32 temporary stays near `chunk_bytes`; the bytes do not depend on the chunking.
-    NaN/Inf raise a ValueError naming the shape and `name`.
+    NaN/Inf raise a ValueError naming the shape and `name`. `amax` (2-D only; the shape
+    `weight_amax` returns) gives each group's amax instead of measuring it, e.g. the TP group's MAX.
     """
     scheme = Scheme.parse(scheme)
     if w.dim() == 2:
-        return _quantize_weight_2d(w, scheme, name, fmt, chunk_bytes)
+        return _quantize_weight_2d(w, scheme, name, fmt, chunk_bytes, amax)
+    if amax is not None:
+        raise ValueError("quantize_weight: a given amax needs a 2-D weight")
     if w.dim() == 3:
-        outs = [_quantize_weight_2d(w[e], scheme, f"{name or 'experts'}[{e}]", fmt, chunk_bytes)
+        outs = [_quantize_weight_2d(w[e], scheme, f"{name or 'experts'}[{e}]", fmt, chunk_bytes, None)
                 for e in range(w.shape[0])]
         q = torch.stack([o[0] for o in outs]) if outs else torch.empty(w.shape, dtype=fmt.dtype)
         return q, torch.stack([o[1] for o in outs])
@@ -195,16 +224,24 @@ def quantize_weight(w: torch.Tensor, scheme: Scheme | str, name: str | None = No
                      + (f" for {name!r}" if name else ""))
 
 
-def quantize_activation(x: torch.Tensor, kind: str, fmt: Fp8Format = E4M3FN
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation(x: torch.Tensor, kind: str, fmt: Fp8Format = E4M3FN,
+                        amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic activation quantization of `x [..., K]`; leading dims flatten into M tokens.
 
     kind "token" -> q [M, K], scale [M, 1]; "tensor" -> scale []; "group" (1x128) -> [M, ceil(K/128)].
+    `amax` (the scale's shape) replaces the measured amax: a row-parallel shard's per-token amax
+    reduced over the TP group (tp_invariant, SPEC §6).
     """
     if kind not in ACT_GROUP:
         raise ValueError(f"unknown activation kind {kind!r}; valid: {', '.join(ACT_GROUP)}")
     x2 = x.reshape(-1, x.shape[-1])
-    q, s = _quantize_2d(x2, ACT_GROUP[kind], ACT_RULE[kind], fmt)
+    group, rule = ACT_GROUP[kind], ACT_RULE[kind]
+    scale = None
+    if amax is not None:
+        gr, gc = _groups(*x2.shape, group)
+        shape = (math.ceil(x2.shape[0] / gr), math.ceil(x2.shape[1] / gc))
+        scale = scale_from_amax(amax, rule, fmt).reshape(shape)
+    q, s = _quantize_2d(x2, group, rule, fmt, scale)
     return q, (s.reshape(()) if kind == "tensor" else s)
 
 

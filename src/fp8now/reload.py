@@ -63,6 +63,9 @@ def reload_weights(model: nn.Module,
     """
     start = time.perf_counter()
     slots, alias_of, computed = model_slots(model)
+    tp = getattr(model, "_fp8now_tp", None)  # tensor parallel: full tensors in, this rank's slices kept
+    if tp is not None:
+        tp.full_shapes_into(slots)
     prefix = getattr(model, "base_model_prefix", "") or ""
     known = set(slots) | set(alias_of) | computed
     items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else named_tensors
@@ -78,7 +81,7 @@ def reload_weights(model: nn.Module,
     pending: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     for key, t in items:
         try:
-            _apply_one(key, t, slots, alias_of, computed, prefix, known, pending, report, checked)
+            _apply_one(key, t, slots, alias_of, computed, prefix, known, pending, report, checked, tp)
         except (ValueError, TypeError) as e:
             raise type(e)(f"{e}; {_applied(report)}") from None
     for layer_name, parts in pending.items():
@@ -91,8 +94,9 @@ def reload_weights(model: nn.Module,
 def _apply_one(key: str, t: torch.Tensor, slots: dict[str, Slot], alias_of: dict[str, str],
                computed: set[str], prefix: str, known: set[str],
                pending: dict[str, dict[str, tuple[str, torch.Tensor]]], report: ReloadReport,
-               checked: bool) -> None:
-    """Write one tensor (or, with its last part, one whole FP8 layer); `checked`: NaN/Inf done already."""
+               checked: bool, tp) -> None:
+    """Write one tensor (or, with its last part, one whole FP8 layer); `checked`: NaN/Inf done already;
+    `tp`: the model's TpState (each rank keeps its slice) or None."""
     name, slot = _reload_slot(key, t, slots, alias_of, computed, prefix, known)
     if slot is None:
         report.skipped.append(key)
@@ -102,7 +106,7 @@ def _apply_one(key: str, t: torch.Tensor, slots: dict[str, Slot], alias_of: dict
             check_finite([(t, f"reload_weights: tensor {key!r}")])
         store = slot.owner._parameters if slot.kind == "param" else slot.owner._buffers
         with torch.no_grad():
-            store[slot.leaf].copy_(t)
+            store[slot.leaf].copy_(t if tp is None else tp.local(name, t))
         report.copied.append(name)
         return
     layer = slot.owner
@@ -118,7 +122,7 @@ def _apply_one(key: str, t: torch.Tensor, slots: dict[str, Slot], alias_of: dict
     bias = parts["bias"][1] if "bias" in parts else None
     try:
         with torch.no_grad():
-            layer.load_(w, bias)
+            layer.load_(w, bias) if tp is None else tp.reload_layer(layer, w, bias)
     except ValueError as e:
         raise ValueError(f"reload_weights: {wkey!r}: {e}") from None
     del pending[layer_name]

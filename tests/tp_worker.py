@@ -1,0 +1,142 @@
+"""What each spawned rank of test_tp.py runs: real gloo collectives, real checkpoints, results to files.
+
+Reads are recorded by wrapping safetensors' own `safe_open` (the real file is read; the wrapper only
+notes which key and which index each read asked for), so the test checks the bytes a rank read
+independently of fp8now's own counter.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# phi3 with its fused gate_up split in its two halves (transformers' packed_colwise) instead of gathered.
+PACKED_PHI3 = {"model.layers.*.self_attn.qkv_proj": "colwise_gather_output",
+               "model.layers.*.self_attn.o_proj": "rowwise_split_input",
+               "model.layers.*.mlp.gate_up_proj": "packed_colwise", "model.layers.*.mlp.down_proj": "rowwise",
+               "lm_head": "colwise_gather_output"}
+IDS = torch.tensor([[1, 17, 250, 3, 499, 42, 77, 128, 300, 5, 64, 411, 9, 2, 388, 120]])
+
+
+class _SliceLog:
+    def __init__(self, view, key: str, log: list):
+        self.view, self.key, self.log = view, key, log
+
+    def __getitem__(self, index):
+        t = self.view[index]
+        self.log.append((self.key, index if isinstance(index, tuple) else (index,), t.numel() * t.element_size()))
+        return t
+
+    def __getattr__(self, name):
+        return getattr(self.view, name)
+
+
+class _FileLog:
+    def __init__(self, handle, log: list):
+        self.handle, self.log = handle, log
+
+    def __enter__(self):
+        self.inner = self.handle.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.handle.__exit__(*exc)
+
+    def get_tensor(self, key):
+        t = self.inner.get_tensor(key)
+        self.log.append((key, "full", t.numel() * t.element_size()))
+        return t
+
+    def get_slice(self, key):
+        return _SliceLog(self.inner.get_slice(key), key, self.log)
+
+    def keys(self):
+        return self.inner.keys()
+
+
+def record_reads(log: list) -> None:
+    """Make every later `safetensors.safe_open` note its data reads in `log`."""
+    import safetensors
+
+    real = safetensors.safe_open
+
+    def opened(*args, **kwargs):
+        return _FileLog(real(*args, **kwargs), log)
+
+    safetensors.safe_open = opened
+
+
+def layer_bytes(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    from fp8now.linear import Fp8Linear
+    return {n: (m.weight.view(torch.uint8).clone(), m.weight_scale.clone())
+            for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+
+
+def _init(rank: int, size: int, port: int) -> None:
+    torch.set_num_threads(1)  # several ranks share few cores: oversubscribed OpenMP threads crawl
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=20))
+
+
+def _error(fn) -> str | None:
+    try:
+        fn()
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def run(rank: int, size: int, port: int, scenario: str, ckpt: str, out: str, extra: str = "") -> None:
+    """One rank of `scenario`; writes `out/<rank>.pt`."""
+    _init(rank, size, port)
+    import fp8now
+    from fp8now import Fp8Config
+
+    result: dict = {}
+    log: list = []
+    new = None
+    if scenario == "schemes":
+        from safetensors.torch import load_file
+        new = load_file(str(Path(extra) / "model.safetensors"))
+    record_reads(log)
+    if scenario == "schemes":
+        for scheme in ("tensor", "channel", "block"):
+            for inv in (False, True):
+                log.clear()
+                model, _ = fp8now.load(ckpt, Fp8Config(scheme=scheme, tp_invariant=inv), device="cpu",
+                                       measure_error=False, tp_plan="auto")
+                with torch.no_grad():
+                    logits = model(IDS).logits.float()
+                result[scheme, inv] = (layer_bytes(model), logits, list(log), model._fp8now_tp.read_bytes)
+            fp8now.reload_weights(model, new)
+            result[scheme, "reloaded"] = layer_bytes(model)
+    elif scenario == "families":
+        for family in extra.split(","):
+            plan = PACKED_PHI3 if family == "phi3+packed" else "auto"
+            model, _ = fp8now.load(Path(ckpt) / family.split("+")[0], Fp8Config(scheme="tensor", tp_invariant=True),
+                                   device="cpu", measure_error=False, tp_plan=plan)
+            with torch.no_grad():
+                result[family] = (model(IDS).logits.float(), model._fp8now_tp.replicated)
+    elif scenario == "unaligned":
+        result["block"] = _error(lambda: fp8now.load(ckpt, Fp8Config(scheme="block"), device="cpu",
+                                                     tp_plan="auto"))
+        result["block_reads"] = list(log)
+        for scheme in ("tensor", "channel"):
+            model, _ = fp8now.load(ckpt, Fp8Config(scheme=scheme), device="cpu", tp_plan="auto")
+            result[scheme] = layer_bytes(model)
+    elif scenario == "failure":
+        result["nan"] = _error(lambda: fp8now.load(ckpt, Fp8Config(scheme="channel"), device="cpu",
+                                                   tp_plan="auto"))
+        if rank == 1:
+            torch.save(result, Path(out) / f"{rank}.pt")
+            os._exit(0)  # leaves without a word: the others must not hang
+        result["gone"] = _error(lambda: fp8now.load(extra, Fp8Config(scheme="tensor"), device="cpu",
+                                                    tp_plan="auto"))
+        torch.save(result, Path(out) / f"{rank}.pt")
+        os._exit(0)  # the group is broken: nothing to tear down
+    torch.save(result, Path(out) / f"{rank}.pt")
+    dist.destroy_process_group()
