@@ -44,7 +44,7 @@ def test_run_generates_greedy_and_sampled_and_reports_memory():
     assert "scheme: channel" in out and "--- greedy: " in out and "--- sampled (temperature 0.7, seed 1)" in out
     assert out.count("tokens/s") == 2
     assert "bf16 ->" in out and "fp8 incl. scales" in out and "peak host RSS" in out
-    assert "backends: reference x210" in out
+    assert "backends: cpu x210" in out
 
 
 @pytest.mark.slow

@@ -76,6 +76,9 @@ class Fp8Linear(nn.Module):
         # Scratch of the triton backend's decode kernel (zero between calls; not saved).
         # One per layer: the same layer must not run on two streams at once.
         self.register_buffer("split_counters", None, persistent=False)
+        # State a backend derives from the FP8 bytes (its `prepare`: the cpu backend's bf16 working
+        # copy). A plain attribute: not in state_dict, not moved by `.to()`; rebuilt on every load_.
+        self._work: torch.Tensor | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: Fp8Config | None = None, name: str = ""
@@ -118,6 +121,8 @@ class Fp8Linear(nn.Module):
                 self.bias.data.copy_(bias)
         if self.backend is None or self._impl is None:
             self.pick_backend()
+        else:
+            self._prepare()
 
     def pick_backend(self) -> str:
         """(Re)choose the backend for the layer's current device; call again after moving it."""
@@ -129,7 +134,16 @@ class Fp8Linear(nn.Module):
         self._graph_rows = (decode_graphs.max_rows(self.out_features, self.in_features)
                             if self.backend == "triton" and self.use_decode_graphs else 0)
         self._graphs = decode_graphs.DecodeGraphs() if self._graph_rows else None
+        self._work = None
+        self._prepare()
         return self.backend
+
+    def _prepare(self) -> None:
+        """(Re)build the backend's derived state from the current FP8 bytes, in place when it exists."""
+        prepare = getattr(self._impl, "prepare", None)
+        if prepare is not None:
+            with torch.no_grad():
+                self._work = prepare(self.weight, self.weight_scale, self.scheme, self._work)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._impl is None:
@@ -143,8 +157,9 @@ class Fp8Linear(nn.Module):
 
     def _launch(self, x2: torch.Tensor) -> torch.Tensor:
         """The backend's linear on x2 [M, K] -> [M, N]."""
+        state = self.split_counters if self._work is None else self._work
         return self._impl.linear(x2, self.weight, self.weight_scale, self.bias, self.scheme, self.act_kind,
-                                 self.batch_invariant, self.split_counters)
+                                 self.batch_invariant, state)
 
     def _addresses(self) -> tuple[int, ...]:
         """Where the tensors a captured call reads live (a graph is valid while these stay)."""
