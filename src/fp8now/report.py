@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-import resource
-import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from .config import WEIGHT_GROUP, Scheme
+from .host_memory import peak_rss_bytes
 from .numerics import dequantize
 
 _STATS_CHUNK_BYTES = 4 << 20  # float32 bytes per chunk when measuring the weight error
@@ -166,9 +165,8 @@ def weight_error(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: 
 
 
 def peak_host_rss_bytes() -> int:
-    """Peak resident set size of this process (ru_maxrss: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
+    """Peak resident set size of this process so far (0 where the platform cannot say)."""
+    return peak_rss_bytes() or 0
 
 
 def tensor_bytes(tensors) -> int:
