@@ -90,7 +90,7 @@ def widened_activation(x: torch.Tensor, act_kind: str) -> torch.Tensor:
     else:
         xf = xf / s
     q = xf.clamp_(-E4M3FN.fmax, E4M3FN.fmax).to(E4M3FN.dtype)
-    y = (q.to(WORK_DTYPE) * s).to(WORK_DTYPE)
+    y = q.to(WORK_DTYPE).mul_(s)                                 # float32 product, rounded once
     return y.view(m, -1)[:, :k] if act_kind == "group" else y
 
 
