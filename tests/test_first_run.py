@@ -107,3 +107,16 @@ def test_the_readme_snippet_runs_as_written():
                           timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "model.layers.29.mlp.down_proj" in proc.stdout
+
+
+def test_device_auto_and_cuda_without_a_gpu(tiny_dir):
+    import torch
+
+    from fp8now.loader import load, resolve_device
+
+    if torch.cuda.is_available():
+        assert resolve_device("auto").type == resolve_device(None).type == "cuda"
+        return
+    assert resolve_device("auto") == resolve_device(None) == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"'cuda' was asked for.*sees no CUDA GPU.*device='cpu'"):
+        load(tiny_dir, device="cuda")
