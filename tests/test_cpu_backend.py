@@ -42,10 +42,11 @@ def test_matches_the_exact_product(scheme, act, n, k, bias):
 
 
 @pytest.mark.parametrize("act", ["token", "tensor", "group"])
-@pytest.mark.parametrize("k", [1, 128, 300, 576])
-def test_activation_bytes_are_numerics_bytes(act, k):
-    """The backend's widened activation is exactly q * s of `numerics.quantize_activation`."""
-    x = varied((9, k), torch.bfloat16, seed=k, spread=8)
+@pytest.mark.parametrize("m,k", [(9, 1), (9, 128), (9, 300), (9, 576), (300, 576)])
+def test_activation_bytes_are_numerics_bytes(act, m, k):
+    """The backend's widened activation is exactly q * s of `numerics.quantize_activation` (300 x 576:
+    rounding in float32 bits rather than torch's cast)."""
+    x = varied((m, k), torch.bfloat16, seed=k, spread=8)
     x[2] = 0                                       # all-zero row: the scale floors
     x[3, 0] = 3e38                                 # a huge value beside small ones
     q, s = quantize_activation(x, act)
@@ -53,6 +54,21 @@ def test_activation_bytes_are_numerics_bytes(act, k):
         s = s.repeat_interleave(128, dim=1)[:, :k]
     want = (q.double() * s.double()).to(torch.bfloat16)  # one rounding of the exact product
     assert torch.equal(cpu.widened_activation(x, act), want)
+
+
+def test_fp8_rounding_in_bits_is_the_cast():
+    """Every e4m3 value, every midpoint between neighbours (ties to even), their float32 neighbours,
+    subnormals and random magnitudes: the float32-bit rounding gives the cast's values."""
+    g = torch.Generator().manual_seed(0)
+    vals = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    vals = vals[torch.isfinite(vals)].unique()
+    mids = (vals[1:] + vals[:-1]) / 2
+    near = torch.cat([torch.nextafter(mids, torch.tensor(0.0)), torch.nextafter(mids, torch.tensor(1e9))])
+    rand = torch.randn(100_000, generator=g) * 10.0 ** torch.randint(-5, 3, (100_000,), generator=g)
+    y = torch.cat([vals, mids, near, rand]).clamp(-448, 448)
+    y = torch.cat([y, -y])
+    assert y.numel() >= cpu.ROUND_ARITH_MIN
+    assert torch.equal(cpu.fp8_values(y.clone()), y.to(torch.float8_e4m3fn).float())
 
 
 def test_batch_invariant_rows_are_bit_identical_whatever_the_batch():

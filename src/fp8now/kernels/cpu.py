@@ -25,6 +25,7 @@ from ..numerics import ACT_RULE, E4M3FN, dequantize, scale_from_amax
 INVARIANT_ROWS = 16          # GEMM rows per call in batch-invariant mode
 WORK_DTYPE = torch.bfloat16  # every e4m3 value is exact in it
 _CHUNK_BYTES = 16 << 20      # float32 temporary per weight chunk while widening
+ROUND_ARITH_MIN = 1 << 15    # activation elements from which FP8 rounding is done in float32 bits
 
 
 def available(device: torch.device, scheme: Scheme, act_kind: str, n: int, k: int,
@@ -89,9 +90,23 @@ def widened_activation(x: torch.Tensor, act_kind: str) -> torch.Tensor:
         xf = xf * (torch.ones_like(s) / s)
     else:
         xf = xf / s
-    q = xf.clamp_(-E4M3FN.fmax, E4M3FN.fmax).to(E4M3FN.dtype)
-    y = q.to(WORK_DTYPE).mul_(s)                                 # float32 product, rounded once
+    y = fp8_values(xf.clamp_(-E4M3FN.fmax, E4M3FN.fmax)).mul_(s).to(WORK_DTYPE)  # rounded once
     return y.view(m, -1)[:, :k] if act_kind == "group" else y
+
+
+def fp8_values(y: torch.Tensor) -> torch.Tensor:
+    """The e4m3 values nearest to float32 `y` (|y| <= 448; ties to even), as bf16 or float32.
+
+    Small tensors take torch's casts. From `ROUND_ARITH_MIN` elements on, the rounding is done in
+    float32 bits instead, since torch's FP8 casts on CPU are scalar loops: 3 mantissa bits kept by
+    round-to-nearest-even on the integer view (normal range, >= 2^-6), multiples of 2^-9 below
+    (e4m3 subnormals; torch.round rounds half to even). Both give the same values (tested).
+    """
+    if y.numel() < ROUND_ARITH_MIN:
+        return y.to(E4M3FN.dtype).to(WORK_DTYPE)
+    bits = y.view(torch.int32)
+    normal = ((bits + ((bits >> 20) & 1) + 0x7FFFF) & -(1 << 20)).view(torch.float32)
+    return torch.where(y.abs() < 2.0 ** -6, torch.round(y * 512.0) * (1.0 / 512.0), normal)
 
 
 def matmul(x_w: torch.Tensor, w_w: torch.Tensor, bias: torch.Tensor | None,
