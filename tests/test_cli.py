@@ -39,13 +39,13 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
 @needs_gguf
 def test_run_generates_greedy_and_sampled_and_reports_memory():
     proc = fp8now("run", "--scheme", "ptpc", "--prompt", "What is a licence?", "--max-new-tokens", "4",
-                  "--seed", "1")
+                  "--seed", "1", "--mode", "both")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "scheme: channel" in out and "--- greedy: " in out and "--- sampled (temperature 0.7, seed 1)" in out
     assert out.count("tokens/s") == 2
-    assert "bf16 ->" in out and "fp8 incl. scales" in out and "peak host RSS" in out
-    assert "backends: reference x210" in out
+    assert "bf16 ->" in out and "fp8 incl. scales" in out and "process peak RSS" in out
+    assert "backends: cpu x210" in out
 
 
 @pytest.mark.slow

@@ -7,10 +7,10 @@ from fp8now import Fp8Config, Fp8Linear, Scheme
 from fp8now.kernels import TABLE, device_class, pick_backend
 
 
-def test_cpu_defaults_to_reference():
+def test_cpu_defaults_to_the_cpu_backend():
     assert device_class(torch.device("cpu")) == "cpu"
     for scheme in Scheme:
-        assert pick_backend("cpu", scheme, Fp8Config(scheme=scheme).act_kind(), 256, 256) == "reference"
+        assert pick_backend("cpu", scheme, Fp8Config(scheme=scheme).act_kind(), 256, 256) == "cpu"
 
 
 def test_table_covers_every_device_class_and_scheme():
@@ -40,7 +40,7 @@ def test_cublas_blockwise_k_alignment():
 def test_batch_invariant_rejects_cublas():
     with pytest.raises(RuntimeError, match=r"batch_invariant=True.*torch: cuBLAS"):
         pick_backend("cpu", Scheme.CHANNEL, "token", 256, 256, forced="torch", batch_invariant=True)
-    assert pick_backend("cpu", Scheme.CHANNEL, "token", 256, 256, batch_invariant=True) == "reference"
+    assert pick_backend("cpu", Scheme.CHANNEL, "token", 256, 256, batch_invariant=True) == "cpu"
 
 
 def test_torch_needs_dims_divisible_by_16():
@@ -49,7 +49,7 @@ def test_torch_needs_dims_divisible_by_16():
 
 
 def test_unknown_backend_name():
-    with pytest.raises(ValueError, match=r"unknown backend 'cutlass'; known: reference, torch, triton, triton-w8a16"):
+    with pytest.raises(ValueError, match=r"unknown backend 'cutlass'; known: reference, cpu, torch, triton, triton-w8a16"):
         pick_backend("cpu", Scheme.CHANNEL, "token", 256, 256, forced="cutlass")
 
 

@@ -14,7 +14,7 @@ from fp8_oracle import exact_product, varied
 # independently rounded operands adds the two noise powers (~28 dB). Per-tensor weight scales lose
 # extra bits on the small rows (some fall into the subnormal range), hence a lower floor for `tensor`.
 SQNR_FLOOR = {Scheme.TENSOR: 22.0, Scheme.CHANNEL: 26.0, Scheme.BLOCK: 26.0}
-BACKENDS = ["reference", "torch"]
+BACKENDS = ["reference", "cpu", "torch"]
 
 
 def make_linear(n, k, bias, dtype, seed):
@@ -122,7 +122,7 @@ def test_dtype_casts_leave_fp8_weight_alone():
 def test_repr_shows_scheme_and_backend():
     layer = Fp8Linear.from_linear(make_linear(32, 64, False, torch.bfloat16, seed=6),
                                   Fp8Config(scheme="ptpc"))
-    assert "scheme=channel" in repr(layer) and "backend=reference" in repr(layer)
+    assert "scheme=channel" in repr(layer) and "backend=cpu" in repr(layer)
 
 
 def test_batch_invariant_rows_on_cpu():

@@ -102,7 +102,7 @@ def test_report_lists_every_layer_and_every_ignored_one(checkpoints):
     assert report.ignored == [("lm_head", "matches ignore pattern 'lm_head'")]
     row = report.layers[0]
     assert (row.name, row.scheme, row.backend, row.n, row.k, row.bias) == (
-        "model.layers.0.self_attn.q_proj", "block", "reference", 192, 192, True)
+        "model.layers.0.self_attn.q_proj", "block", "cpu", 192, 192, True)
     assert all(r.sqnr_db > 25 and 0 < r.rel_diff < 1e-3 for r in report.layers)
     n_weights = sum(m.weight.numel() for m in layers.values())
     n_scales = sum(m.weight_scale.numel() for m in layers.values())

@@ -16,6 +16,9 @@ from pathlib import Path
 
 DEFAULT_PROMPT = "Explain in two sentences why smaller number formats make language models faster."
 SAMPLE_TEMPERATURE = 0.7
+RUN_MODES = ("greedy", "sampled", "both")
+WARMUP_TOKENS = 8        # an untimed generate first: the first calls of a process are slow
+QUICK_EVAL_TOKENS = 4096
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,30 +26,38 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("model", nargs="?", default=None, metavar="MODEL",
                         help="Hugging Face checkpoint folder or repo id (org/name, from the local Hugging Face "
                         "cache or the Hub) (default: the embedded SmolLM2-135M-Instruct)")
-    common.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    common.add_argument("--debug", action="store_true", help="show the traceback on errors")
-    common.add_argument("--json", action="store_true", help="print one JSON object (see fp8now.output)")
+    common.add_argument("--device", default=None,
+                        help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
+    common.add_argument("--debug", action="store_true", help="show the traceback on errors (default: off)")
+    common.add_argument("--json", action="store_true",
+                        help="print one JSON object instead of text (see fp8now.output; default: text)")
     p = argparse.ArgumentParser(prog="fp8now", description="Run bf16 LLM checkpoints in FP8, quantized "
                                 "while they load.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     scheme_help = "channel, block, tensor, tensor-tensor (per-tensor activations); vLLM/llm-compressor names too"
 
-    run = sub.add_parser("run", parents=[common], help="load in FP8 and generate (greedy and sampled)")
+    run = sub.add_parser("run", parents=[common], help="load in FP8 and generate text")
     run.add_argument("--scheme", default="channel", help=scheme_help + " (default: channel)")
-    run.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message")
-    run.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    run.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"the user message (default: {DEFAULT_PROMPT!r})")
+    run.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                     help="tokens to generate per mode (default: 64)")
+    run.add_argument("--mode", choices=RUN_MODES, default="greedy",
+                     help=f"greedy decoding, sampling (temperature {SAMPLE_TEMPERATURE}), or both (default: greedy)")
     run.add_argument("--seed", type=int, default=0, help="seed of the sampled generation (default: 0)")
 
     ev = sub.add_parser("eval", parents=[common], help="perplexity, KL and top-1 agreement of FP8 vs bf16")
     ev.add_argument("--scheme", default="channel", help=scheme_help + ", or all (default: channel)")
     ev.add_argument("--text", default=None, metavar="FILE",
                     help="UTF-8 text to evaluate on (default: the bundled licence texts, ~29k tokens)")
-    ev.add_argument("--max-tokens", type=int, default=None, metavar="N", help="use only the first N tokens")
+    ev.add_argument("--max-tokens", type=int, default=QUICK_EVAL_TOKENS, metavar="N",
+                    help=f"use only the first N tokens of the text; 0 for all of it (default: {QUICK_EVAL_TOKENS}, "
+                         "a quick check: 8 windows of 512)")
     ev.add_argument("--seq-len", type=int, default=512, metavar="L", help="window length (default: 512)")
     ev.add_argument("--batch-size", type=int, default=4, metavar="B", help="windows per forward (default: 4)")
     ev.add_argument("--plot", default=None, metavar="PATH",
-                    help="write a PNG of mean KL and top-1 agreement per scheme, with standard errors")
-    ev.add_argument("--layers", action="store_true", help="also print every layer's weight SQNR")
+                    help="write a PNG of mean KL and top-1 agreement per scheme, with standard errors "
+                         "(default: no plot)")
+    ev.add_argument("--layers", action="store_true", help="also print every layer's weight SQNR (default: off)")
 
     ins = sub.add_parser("inspect", parents=[common], help="load in FP8 and print the load report")
     ins.add_argument("--scheme", default="channel", help=scheme_help + " (default: channel)")
@@ -89,7 +100,12 @@ def _device(name: str | None):
         raise ValueError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
 
 
-def _load(args, measure_error: bool = True):
+def _progress() -> bool:
+    """Progress bars only where someone watches: stderr is a terminal."""
+    return sys.stderr.isatty()
+
+
+def _load(args, measure_error: bool = True, model_dir=None):
     """Check the scheme first (fast), then resolve the model folder and load it in FP8."""
     from .evaluate import scheme_config
     from .loader import load
@@ -97,7 +113,7 @@ def _load(args, measure_error: bool = True):
 
     key, config = scheme_config(args.scheme)
     device = _device(args.device)
-    model_dir = resolve_model(args.model)
+    model_dir = model_dir or resolve_model(args.model, progress=_progress())
     model, report = load(model_dir, config, device=device, measure_error=measure_error)
     return key, model_dir, model, report
 
@@ -140,7 +156,7 @@ def cmd_run(args) -> int:
         from .evaluate import config_dict, scheme_config
         from .output import dumps, envelope, scheme_entry
 
-        options = {k: getattr(args, k) for k in ("scheme", "prompt", "max_new_tokens", "seed")}
+        options = {k: getattr(args, k) for k in ("scheme", "prompt", "max_new_tokens", "mode", "seed")}
         entry = scheme_entry(config_dict(scheme_config(key)[1]), report.to_dict(), {"generations": generations})
         print(dumps(envelope("run", model_dir, report.device, options, {key: entry})))
     return 0
@@ -148,37 +164,62 @@ def cmd_run(args) -> int:
 
 def _run(args):
     """The text output of `run`; returns (scheme key, model folder, load report, generation rows)."""
-    import torch
-
-    from .custom_code import load_tokenizer
+    from .evaluate import scheme_config
+    from .host_memory import current_rss_bytes
+    from .models import resolve_model
+    from .tokenizer import load_tokenizer
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    key, model_dir, model, report = _load(args, measure_error=False)  # no SQNR needed here
-    tokenizer = load_tokenizer(model_dir)
-    if getattr(tokenizer, "chat_template", None):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
-                                               add_generation_prompt=True)
-    else:
-        prompt = args.prompt
-    enc = tokenizer(prompt, add_special_tokens=not getattr(tokenizer, "chat_template", None),
-                    return_tensors="pt").to(next(model.parameters()).device)
+    scheme_config(args.scheme)                       # a bad scheme fails before anything is read
+    model_dir = resolve_model(args.model, progress=_progress())
+    tokenizer = load_tokenizer(model_dir)            # before any weight is read
+    key, model_dir, model, report = _load(args, measure_error=False, model_dir=model_dir)
+    rss_after_load = current_rss_bytes()
+    enc = _encode(tokenizer, args.prompt, next(model.parameters()).device)
     print(f"model: {model_dir}  scheme: {key}  device: {report.device}")
     print(f"prompt: {args.prompt}")
     generations = []
-    runs = [("greedy", dict(do_sample=False)),
-            (f"sampled (temperature {SAMPLE_TEMPERATURE}, seed {args.seed})",
-             dict(do_sample=True, temperature=SAMPLE_TEMPERATURE, top_k=0, top_p=1.0))]
-    for title, kwargs in runs:
-        torch.manual_seed(args.seed)
-        text, n, seconds = _generate(model, tokenizer, enc, args.max_new_tokens, kwargs)
+    for title, kwargs in _modes(args):
+        text, n, seconds = _timed_generate(model, tokenizer, enc, args.max_new_tokens, kwargs, args.seed)
         generations.append({"mode": title.split(" ")[0], **kwargs, "seed": args.seed, "text": text,
                             "new_tokens": n, "seconds": seconds, "tokens_per_s": n / seconds})
-        print(f"\n--- {title}: {n} tokens in {seconds:.2f} s ({n / seconds:.1f} tokens/s)")
+        print(f"\n--- {title}: {n} tokens in {seconds:.2f} s ({n / seconds:.1f} tokens/s after a "
+              f"{min(WARMUP_TOKENS, args.max_new_tokens)}-token warm-up)")
         print(text)
     print()
-    print(_memory_summary(report))
+    print(_memory_summary(report, rss_after_load))
     return key, model_dir, report, generations
+
+
+def _modes(args) -> list[tuple[str, dict]]:
+    """(title, generate kwargs) of each generation `--mode` asks for."""
+    modes = []
+    if args.mode in ("greedy", "both"):
+        modes.append(("greedy", dict(do_sample=False)))
+    if args.mode in ("sampled", "both"):
+        modes.append((f"sampled (temperature {SAMPLE_TEMPERATURE}, seed {args.seed})",
+                      dict(do_sample=True, temperature=SAMPLE_TEMPERATURE, top_k=0, top_p=1.0)))
+    return modes
+
+
+def _encode(tokenizer, prompt: str, device):
+    """The prompt as model inputs: through the chat template when the tokenizer has one."""
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    if chat:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                               add_generation_prompt=True)
+    return tokenizer(prompt, add_special_tokens=not chat, return_tensors="pt").to(device)
+
+
+def _timed_generate(model, tokenizer, enc, max_new_tokens: int, kwargs: dict, seed: int
+                    ) -> tuple[str, int, float]:
+    """An untimed warm-up generate of a few tokens, then the timed one (same seed for sampling)."""
+    import torch
+
+    _generate(model, tokenizer, enc, min(WARMUP_TOKENS, max_new_tokens), kwargs)
+    torch.manual_seed(seed)
+    return _generate(model, tokenizer, enc, max_new_tokens, kwargs)
 
 
 def _generate(model, tokenizer, enc, max_new_tokens: int, kwargs: dict) -> tuple[str, int, float]:
@@ -194,13 +235,22 @@ def _generate(model, tokenizer, enc, max_new_tokens: int, kwargs: dict) -> tuple
     return tokenizer.decode(new, skip_special_tokens=True).strip(), int(new.numel()), seconds
 
 
-def _memory_summary(report) -> str:
-    """The report's bytes/memory lines, what was left alone, and the backends chosen."""
+def _memory_summary(report, rss_after_load: int | None) -> str:
+    """Bytes, then the load's time and memory, the whole process's peak, what was left alone, backends."""
+    from .host_memory import mib, peak_rss_bytes
+
     backends = Counter(row.backend for row in report.layers)
     left = ", ".join(name for name, _ in report.ignored) or "none"
-    return "\n".join(report.summary_lines() + [
+    device_peak = "" if report.peak_device_bytes is None else \
+        f"; peak device memory {mib(report.peak_device_bytes)}"
+    return "\n".join([
+        report.summary_lines()[0],
+        f"load: {report.load_s:.2f} s; peak RSS by its end {mib(report.peak_host_rss_bytes or None)}, "
+        f"RSS after it {mib(rss_after_load)}{device_peak}",
+        f"process peak RSS: {mib(peak_rss_bytes())} (the whole run, read at its end)",
         f"left alone: {len(report.ignored)} ({left})",
         "backends: " + ", ".join(f"{name} x{count}" for name, count in sorted(backends.items())),
+        *(line for line in report.summary_lines() if line.startswith("WARNING")),
     ])
 
 
@@ -219,11 +269,14 @@ def cmd_eval(args) -> int:
             name, text = path.name, path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"cannot read --text {path}: {e}; pass a UTF-8 text file") from None
-    if args.max_tokens is not None and args.max_tokens < 2:
-        raise ValueError(f"--max-tokens must be at least 2, got {args.max_tokens}")
-    model_dir = resolve_model(args.model)
-    results = evaluate(model_dir, keys, text, max_tokens=args.max_tokens, seq_len=args.seq_len,
-                       device=device, batch_size=args.batch_size, text_name=name)
+    if args.max_tokens is not None and args.max_tokens != 0 and args.max_tokens < 2:
+        raise ValueError(f"--max-tokens must be at least 2 (or 0 for the whole text), got {args.max_tokens}")
+    max_tokens = args.max_tokens or None
+    model_dir = resolve_model(args.model, progress=_progress())
+    print(f"fp8now eval: {name}, " + (f"its first {max_tokens} tokens (--max-tokens 0: all of it)"
+                                       if max_tokens else "all of it"), file=sys.stderr)
+    results = evaluate(model_dir, keys, text, max_tokens=max_tokens, seq_len=args.seq_len,
+                       device=device, batch_size=args.batch_size, text_name=name, progress=_progress())
     if args.plot:
         results["plot"] = str(plot_schemes(results, args.plot))
     if args.json:

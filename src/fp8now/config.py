@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 # Names a user may pass as `backend=`; "auto" lets the dispatch table choose.
-BACKEND_NAMES = ("auto", "reference", "torch", "triton", "triton-w8a16")
+BACKEND_NAMES = ("auto", "reference", "cpu", "torch", "triton", "triton-w8a16")
 
 # Activation quantization a user may force; "auto" takes the scheme's default (SPEC §3 table).
 ACTIVATION_NAMES = ("auto", "token", "tensor", "group")

@@ -11,11 +11,15 @@ from pathlib import Path
 _REFUSAL_MARKERS = ("custom code", "trust_remote_code")
 
 
-def custom_code_error(model_dir: Path, what: str) -> ValueError:
+class CustomCodeError(ValueError):
+    """A checkpoint folder needs its own Python code, which fp8now never runs."""
+
+
+def custom_code_error(model_dir: Path, what: str) -> CustomCodeError:
     """The one-line error for a folder whose `what` (config, tokenizer) needs the folder's own code."""
     files = [name for name in ("config.json", "tokenizer_config.json") if _has_auto_map(model_dir / name)]
     where = f" ({' and '.join(files)} name it under auto_map)" if files else ""
-    return ValueError(f"{model_dir}: its {what} needs custom Python code from the folder{where}; fp8now "
+    return CustomCodeError(f"{model_dir}: its {what} needs custom Python code from the folder{where}; fp8now "
                       "never runs code from a checkpoint folder: use a checkpoint whose architecture and "
                       "tokenizer are built into transformers")
 

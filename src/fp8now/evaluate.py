@@ -196,12 +196,12 @@ def evaluate(model_dir: str | os.PathLike, schemes: Sequence[str], text: str, *,
     """
     from tqdm.auto import tqdm
 
-    from .loader import default_device, load
+    from .loader import load, resolve_device
 
     model_dir = Path(model_dir)
     keys = expand_schemes(schemes)
     configs = {k: scheme_config(k)[1] for k in keys}
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     ids = tokenize(model_dir, text)

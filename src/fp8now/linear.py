@@ -85,6 +85,9 @@ class Fp8Linear(nn.Module):
         # Scratch of the backend's calls (its `workspace` hook; e.g. the decode kernel's counters, back to
         # their start values after every call; not saved). The same layer must not run on two streams at once.
         self.register_buffer("workspace", None, persistent=False)
+        # State a backend derives from the FP8 bytes (its `prepare` hook: the cpu backend's bf16 working
+        # copy). A plain attribute: not in state_dict, not moved by `.to()`; rebuilt on every load_.
+        self._work: torch.Tensor | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: Fp8Config | None = None, name: str = ""
@@ -133,6 +136,8 @@ class Fp8Linear(nn.Module):
                 self.bias.data.copy_(bias)
         if self.backend is None or self._impl is None:
             self.pick_backend()
+        else:
+            self._prepare()
 
     def pick_backend(self) -> str:
         """(Re)choose the backend for the layer's current device; call again after moving it."""
@@ -146,6 +151,8 @@ class Fp8Linear(nn.Module):
         graphed = getattr(self._impl, "GRAPHED", False) and self.use_decode_graphs
         self._graph_rows = decode_graphs.max_rows(self.out_features, self.in_features) if graphed else 0
         self._graphs = decode_graphs.DecodeGraphs() if self._graph_rows else None
+        self._work = None
+        self._prepare()
         return self.backend
 
     def path(self, m: int, compiling: bool = False) -> Path:
@@ -160,6 +167,13 @@ class Fp8Linear(nn.Module):
         self.plan_table = table
         if self.backend is not None:
             self.pick_backend()
+
+    def _prepare(self) -> None:
+        """(Re)build the backend's derived state from the current FP8 bytes, in place when it exists."""
+        prepare = getattr(self._impl, "prepare", None)
+        if prepare is not None:
+            with torch.no_grad():
+                self._work = prepare(self.weight, self.weight_scale, self.scheme, self._work)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._impl is None:
@@ -182,7 +196,8 @@ class Fp8Linear(nn.Module):
                 path = self.path(m)
                 if len(self._paths) < _PATHS_KEPT:
                     self._paths[m] = path
-        return self._impl.linear(x2, Weights(self.weight, self.weight_scale, self.bias, self.workspace), path)
+        return self._impl.linear(x2, Weights(self.weight, self.weight_scale, self.bias,
+                                           self.workspace if self._work is None else self._work), path)
 
     def _addresses(self) -> tuple[int, ...]:
         """Where the tensors a captured call reads live (a graph is valid while these stay)."""

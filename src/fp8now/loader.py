@@ -222,6 +222,18 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """None or "auto": `default_device()`; a CUDA device where torch sees no GPU is a clear error."""
+    if device is None or (isinstance(device, str) and device.strip().lower() == "auto"):
+        return default_device()
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} was asked for, but this torch {torch.__version__} sees no "
+                         "CUDA GPU; pass device='cpu', or leave device unset (auto: cuda when available, "
+                         "else cpu)")
+    return device
+
+
 def load(model_dir: str | Path, config: Fp8Config | None = None,
          device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16, *,
          measure_error: bool = True, tp_plan: str | dict[str, str] | None = None,
@@ -230,8 +242,8 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
 
     Builds the transformers model on the meta device, swaps the target linears for `Fp8Linear`,
     checks every tensor header (names, shapes, dtypes) against the model, then streams the tensors:
-    each layer is quantized as soon as its weight (and bias) arrived, on `device` (default: cuda if
-    available, else cpu). Non-quantized tensors are stored in `dtype`. `measure_error` computes each
+    each layer is quantized as soon as its weight (and bias) arrived, on `device` (None or "auto":
+    cuda if available, else cpu). Non-quantized tensors are stored in `dtype`. `measure_error` computes each
     layer's SQNR / rel_diff for the report (one chunked dequantize per layer).
     Returns `(model, report)`; the model is in eval mode with no tensor left on meta.
 
@@ -243,7 +255,7 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
     config = config or Fp8Config()
     if dtype not in _FLOAT_DTYPES:
         raise ValueError(f"dtype must be torch.bfloat16, float16 or float32, got {dtype}")
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         device = torch.device("cuda", index)

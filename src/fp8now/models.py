@@ -251,6 +251,9 @@ def resolve_model(arg: str | os.PathLike | None, progress: bool = True) -> Path:
     if arg is None or str(arg).strip().lower() in DEFAULT_NAMES:
         return default_model_dir(progress=progress)
     path = Path(arg).expanduser()
+    if path.is_file():
+        raise FileNotFoundError(f"MODEL {path} is a file; pass the checkpoint folder that holds config.json "
+                                f"and the *.safetensors files (here perhaps {path.parent})")
     if not path.exists() and looks_like_repo_id(str(arg)):
         path = snapshot(str(arg))
     if not path.is_dir():

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from .config import WEIGHT_GROUP, Scheme
+from .host_memory import peak_rss_bytes
 from .numerics import dequantize
 
 _STATS_CHUNK_BYTES = 4 << 20  # float64 bytes per chunk when measuring the weight error
@@ -270,14 +270,8 @@ def plan_names(layer) -> dict[str, str]:
 
 
 def peak_host_rss_bytes() -> int | None:
-    """Peak resident set size of this process (ru_maxrss: KiB on Linux, bytes on macOS); None where the
-    `resource` module does not exist (Windows), so that `import fp8now` works there."""
-    try:
-        import resource
-    except ImportError:
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
+    """Peak resident set size of this process so far (None where the platform cannot say)."""
+    return peak_rss_bytes()
 
 
 def tensor_bytes(tensors) -> int:

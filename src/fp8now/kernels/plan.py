@@ -153,6 +153,8 @@ PLANNERS: Mapping[str, Callable[..., Path]] = MappingProxyType({
     "triton": lambda s, a, m, n, k, d, bi, c, t: _triton(s, m, n, k, bi, c, t),
     "torch": lambda s, a, m, n, k, d, bi, c, t: _torch(s, a, d),
     "reference": lambda s, a, m, n, k, d, bi, c, t: Path(s, a, "torch", "reference"),
+    # cpu: its own quantizer widens the FP8 activation to bf16, then one oneDNN bf16 GEMM on the working copy
+    "cpu": lambda s, a, m, n, k, d, bi, c, t: Path(s, a, "cpu", "bf16-matmul", invariant=bi),
     "triton-w8a16": lambda s, a, m, n, k, d, bi, c, t: Path(s, a, "none", "triton-w8a16"),
 })
 

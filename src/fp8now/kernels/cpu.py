@@ -1,0 +1,146 @@
+"""The `cpu` backend: both FP8 operands widened to bf16 for one bf16 GEMM with float32 accumulation.
+
+Every e4m3 value is exact in bf16, and a bf16 GEMM on CPU (oneDNN) accumulates in float32. So the
+layer keeps a bf16 working copy of its dequantized weight, `bf16(q_w * s_w)`, made from the FP8 bytes
+at load and again at every reload (widening FP8 on every call costs more than the GEMM itself).
+Each call quantizes the activation by the SPEC rules (the bytes of `numerics.quantize_activation`),
+widens it the same way, `bf16(q_x * s_x)`, and runs `F.linear`. Folding the scales into the bf16
+operands rounds each element once more (relative error <= 2^-9, independent per element), which
+keeps the product far inside rel_diff < 1e-4 of the exact one, for block scales too: one GEMM per
+call whatever the scheme, no loop over K-blocks.
+
+oneDNN picks its kernel by the GEMM's shape, M included. `batch_invariant=True` therefore runs
+the GEMM on chunks of exactly `INVARIANT_ROWS` rows (the last one zero-padded), so every row passes
+through one kernel configuration whatever the batch holds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import WEIGHT_GROUP, Scheme
+from ..numerics import ACT_RULE, E4M3FN, dequantize, scale_from_amax
+from .plan import Path, Weights
+
+INVARIANT_ROWS = 16          # GEMM rows per call in batch-invariant mode
+WORK_DTYPE = torch.bfloat16  # every e4m3 value is exact in it
+_CHUNK_BYTES = 16 << 20      # float32 temporary per weight chunk while widening
+ROUND_ARITH_MIN = 1 << 15    # activation elements from which FP8 rounding is done in float32 bits
+
+
+def available(device: torch.device, scheme: Scheme, act_kind: str, n: int, k: int,
+              batch_invariant: bool = False) -> str | None:
+    """Runs on CPU tensors only (GPUs have FP8 GEMMs of their own)."""
+    if device.type != "cpu":
+        return f"runs on CPU tensors only, not {device.type}"
+    if batch_invariant and act_kind == "tensor":
+        return "a per-tensor activation scale couples the rows of a batch"
+    return None
+
+
+def working_copy(w_q: torch.Tensor, w_scale: torch.Tensor, scheme: Scheme,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 `q_w * s_w` of an FP8 weight [N, K] (into `out` when given: a reload keeps the storage).
+
+    Widened a chunk of rows at a time (whole 128-row tiles for block scales) so the float32
+    temporaries stay near `_CHUNK_BYTES` whatever the layer's size.
+    """
+    n, k = w_q.shape
+    if out is None:
+        out = torch.empty((n, k), dtype=WORK_DTYPE, device=w_q.device)
+    group = WEIGHT_GROUP[scheme]
+    rows = max(_CHUNK_BYTES // (4 * max(k, 1)), 1)
+    if scheme is Scheme.BLOCK:
+        rows = max(rows - rows % group[0], group[0])
+    for r in range(0, n, rows):
+        q = w_q[r:r + rows]
+        if scheme is Scheme.TENSOR:
+            s = w_scale
+        elif scheme is Scheme.CHANNEL:
+            s = w_scale[r:r + rows]
+        else:
+            s = w_scale[r // group[0]: (r + q.shape[0] + group[0] - 1) // group[0]]
+        out[r:r + q.shape[0]] = dequantize(q, s, group)
+    return out
+
+
+def widened_activation(x: torch.Tensor, act_kind: str) -> torch.Tensor:
+    """bf16 `q_x * s_x` of x [M, K] quantized dynamically (per "token", "tensor", or 1x128 "group").
+
+    The quantization is `numerics`' rule written for few small ops (the bytes are the same, which
+    the tests check); the padding of a partial last 1x128 group is zeros, as there.
+    """
+    m, k = x.shape
+    xf = x.float()
+    if act_kind == "group":
+        pad = -k % 128
+        if pad:
+            xf = F.pad(xf, (0, pad))
+        xf = xf.view(m, -1, 128)                                 # [M, G, 128]
+        amax = xf.abs().amax(dim=-1, keepdim=True)               # [M, G, 1]
+    elif act_kind == "token":
+        amax = xf.abs().amax(dim=-1, keepdim=True)               # [M, 1]
+    elif act_kind == "tensor":
+        amax = xf.abs().amax()                                   # []
+    else:
+        raise ValueError(f"unknown activation kind {act_kind!r}; valid: token, tensor, group")
+    rule = ACT_RULE[act_kind]
+    s = scale_from_amax(amax, rule)
+    if rule == "tensor":
+        xf = xf * (torch.ones_like(s) / s)
+    else:
+        xf = xf / s
+    y = fp8_values(xf.clamp_(-E4M3FN.fmax, E4M3FN.fmax)).mul_(s).to(WORK_DTYPE)  # rounded once
+    return y.view(m, -1)[:, :k] if act_kind == "group" else y
+
+
+def fp8_values(y: torch.Tensor) -> torch.Tensor:
+    """The e4m3 values nearest to float32 `y` (|y| <= 448; ties to even), as bf16 or float32.
+
+    Small tensors take torch's casts. From `ROUND_ARITH_MIN` elements on, the rounding is done in
+    float32 bits instead, since torch's FP8 casts on CPU are scalar loops: 3 mantissa bits kept by
+    round-to-nearest-even on the integer view (normal range, >= 2^-6), multiples of 2^-9 below
+    (e4m3 subnormals; torch.round rounds half to even). Both give the same values (tested).
+    """
+    if y.numel() < ROUND_ARITH_MIN:
+        return y.to(E4M3FN.dtype).to(WORK_DTYPE)
+    bits = y.view(torch.int32)
+    normal = ((bits + ((bits >> 20) & 1) + 0x7FFFF) & -(1 << 20)).view(torch.float32)
+    return torch.where(y.abs() < 2.0 ** -6, torch.round(y * 512.0) * (1.0 / 512.0), normal)
+
+
+def matmul(x_w: torch.Tensor, w_w: torch.Tensor, bias: torch.Tensor | None,
+           batch_invariant: bool = False) -> torch.Tensor:
+    """bf16 GEMM x_w [M, K] @ w_w [N, K].T (+ bias) with float32 accumulation -> bf16 [M, N].
+
+    A bias that is not bf16 is added afterwards in float32 (rounding it to bf16 first would lose bits).
+    """
+    fused = bias if bias is not None and bias.dtype == WORK_DTYPE else None
+    if not batch_invariant:
+        y = F.linear(x_w, w_w, fused)
+    else:
+        m = x_w.shape[0]
+        pad = -m % INVARIANT_ROWS
+        if pad:
+            x_w = torch.cat([x_w, x_w.new_zeros(pad, x_w.shape[1])])
+        y = torch.cat([F.linear(part, w_w, fused) for part in x_w.split(INVARIANT_ROWS)])[:m]
+    if bias is not None and fused is None:
+        y = y.float() + bias.float()
+    return y
+
+
+def prepare(w_q: torch.Tensor, w_scale: torch.Tensor, scheme: Scheme,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """The per-layer state this backend needs beside the FP8 bytes: the bf16 working copy [N, K]."""
+    return working_copy(w_q, w_scale, scheme, out)
+
+
+def linear(x: torch.Tensor, weights: Weights, path: Path) -> torch.Tensor:
+    """y [M, N] = quantize(x [M, K]) @ W.T + bias in x.dtype. `weights.workspace`: the layer's working
+    copy from `prepare` (None: widened for this call only, which is slow)."""
+    work = weights.workspace
+    if work is None:
+        work = working_copy(weights.w_q, weights.w_scale, path.scheme)
+    y = matmul(widened_activation(x, path.act), work, weights.bias, path.invariant)
+    return y.to(x.dtype)
