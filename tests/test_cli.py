@@ -51,7 +51,7 @@ def test_run_generates_greedy_and_sampled_and_reports_memory():
 @pytest.mark.slow
 @needs_gguf
 def test_run_json_is_the_shared_shape():
-    proc = fp8now("run", "--json", "--max-new-tokens", "3", "--seed", "2")
+    proc = fp8now("run", "--json", "--mode", "both", "--max-new-tokens", "3", "--seed", "2")
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)  # nothing but the JSON object on stdout
     assert tuple(res) == SCHEMA_KEYS and res["command"] == "run" and res["args"]["seed"] == 2
@@ -189,8 +189,8 @@ def test_bare_fp8_is_one_line_listing_each_tools_meaning(tiny_dir, capsys):
 
 def test_inspect_names_each_layers_kernel_path(tiny_dir):
     """`inspect --json` holds the report's `to_dict()` (strict JSON), whose layer rows map 1, 16 and
-    4096 tokens per call to the path that layer's calls run (on CPU: the exact reference, numerics'
-    quantizer); the text output lists the same paths."""
+    4096 tokens per call to the path that layer's calls run (on CPU: the cpu backend's quantizer and
+    bf16 GEMM); the text output lists the same paths."""
     run = lambda *a: subprocess.run([sys.executable, "-m", "fp8now.cli", "inspect", str(tiny_dir),  # noqa: E731
                                      "--device", "cpu", *a], capture_output=True, text=True, timeout=300)
     proc = run("--scheme", "block", "--json")
@@ -198,9 +198,9 @@ def test_inspect_names_each_layers_kernel_path(tiny_dir):
     report = json.loads(proc.stdout)["schemes"]["block"]["report"]
     assert report["scheme"] == "block" and report["layers"]
     for row in report["layers"]:
-        assert row["backend"] == "reference"
-        assert row["plan"] == {m: "torch-group + reference" for m in ("1", "16", "4096")}, row
+        assert row["backend"] == "cpu"
+        assert row["plan"] == {m: "cpu-group + bf16-matmul" for m in ("1", "16", "4096")}, row
     text = run("--scheme", "channel")
     assert text.returncode == 0, text.stderr
     assert "kernel plans (tokens per call: path)" in text.stdout
-    assert "    4096: torch-token + reference" in text.stdout
+    assert "    4096: cpu-token + bf16-matmul" in text.stdout

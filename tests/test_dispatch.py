@@ -97,4 +97,4 @@ print(layer.backend, layer.path(1).name)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "reference torch-token + reference"
+    assert out.stdout.strip() == "cpu cpu-token + bf16-matmul"

@@ -96,9 +96,9 @@ def test_tables_are_read_only():
 
 
 def test_a_layer_reports_and_runs_its_plan():
-    """On CPU the reference backend: one path at every M, no workspace."""
+    """On CPU the cpu backend: one path at every M, no workspace (its working copy is its prepare hook's)."""
     layer = Fp8Linear.from_linear(torch.nn.Linear(256, 64), Fp8Config(scheme="block"))
-    assert layer.backend == "reference" and layer.workspace is None
-    assert {layer.path(m).name for m in (1, 16, 4096)} == {"torch-group + reference"}
+    assert layer.backend == "cpu" and layer.workspace is None and layer._work.shape == (64, 256)
+    assert {layer.path(m).name for m in (1, 16, 4096)} == {"cpu-group + bf16-matmul"}
     y = layer(torch.randn(3, 256))
     assert y.shape == (3, 64) and torch.isfinite(y).all()
