@@ -131,3 +131,11 @@ def test_reload_refreshes_the_working_copy(tmp_path):
         reload_weights(model, load_file(b / "model.safetensors"))
         new, want = model(ids).logits, fresh(ids).logits
     assert not torch.equal(old, want) and torch.equal(new, want)
+
+
+def test_the_report_counts_the_working_copies(tmp_path):
+    """The load report states the working copies' bytes beside the model's: 2 bytes per quantized weight."""
+    model, report = load(write_tiny_checkpoint(tmp_path / "m", "llama"), Fp8Config(scheme="block"))
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert layers and report.work_bytes == sum(2 * m.out_features * m.in_features for m in layers)
+    assert "of backend working copies" in report.summary_lines()[0]

@@ -309,6 +309,7 @@ def _report(model: nn.Module, rows: list[LayerRow], ignored: list[tuple[str, str
         report.bf16_bytes += 2 * layer.weight.numel()
         report.fp8_bytes += layer.weight.numel() * layer.weight.element_size() + layer.weight_scale.nbytes
     report.model_bytes = tensor_bytes([*model.parameters(), *model.buffers()])
+    report.work_bytes = sum(m._work.nbytes for m in layers.values() if m._work is not None)
     report.peak_host_rss_bytes = peak_host_rss_bytes()
     return report
 

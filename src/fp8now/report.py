@@ -64,6 +64,7 @@ class LoadReport:
     warnings(): layers whose outliers flushed many weights to zero (also in to_dict() and the summary).
     bf16_bytes: the quantized layers' weights at 2 bytes/element; fp8_bytes: their FP8 weights + scales.
     model_bytes: every parameter and buffer of the final model (embeddings, norms and lm_head included).
+    work_bytes: what backends keep beside the FP8 bytes (the cpu backend's bf16 working copies).
     peak_device_bytes: torch.cuda.max_memory_allocated during the load (reset at its start); None off CUDA.
     device_bytes_at_start: torch.cuda.memory_allocated when the load began (already counted in the peak).
     peak_host_rss_bytes: the process's peak resident set size (getrusage maxrss: process-wide, since start);
@@ -82,6 +83,7 @@ class LoadReport:
     bf16_bytes: int = 0
     fp8_bytes: int = 0
     model_bytes: int = 0
+    work_bytes: int = 0
     load_s: float = 0.0
     peak_device_bytes: int | None = None
     device_bytes_at_start: int | None = None
@@ -117,7 +119,8 @@ class LoadReport:
             peak += f" (incl. {_mib(self.device_bytes_at_start)} held before the load)"
         lines = [f"quantized {len(self.layers)} layers ({self.scheme}): {_mib(self.bf16_bytes)} bf16 -> "
                 f"{_mib(self.fp8_bytes)} fp8 incl. scales ({ratio:.2f}x smaller); whole model "
-                f"{_mib(self.model_bytes)} on {self.device}",
+                f"{_mib(self.model_bytes)} on {self.device}"
+                + (f" + {_mib(self.work_bytes)} of backend working copies" if self.work_bytes else ""),
                 f"time {self.load_s:.2f} s; peak device memory {peak}; peak host RSS "
                 + ("n/a (no resource module)" if self.peak_host_rss_bytes is None
                    else f"{_mib(self.peak_host_rss_bytes)} (process-wide maximum since start)")]
