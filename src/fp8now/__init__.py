@@ -4,7 +4,8 @@ from .config import Fp8Config, Scheme
 from .export import save
 from .linear import Fp8Linear
 from .moe import Fp8Experts
-from .loader import load, quantize_
+from .loader import load
+from .quantize import quantize_
 from .reload import reload_weights
 from .numerics import dequantize, quantize_activation, quantize_weight, rel_diff, sqnr
 from .report import LoadReport

@@ -17,14 +17,13 @@ from torch import nn
 from .config import Fp8Config
 from .checkpoint import ST_DTYPES, checkpoint_files, corrupt_error, index_map, scan_headers
 from .finite import FiniteCheck
-from .hf import (Slot, build_skeleton, keep_fp32_names, model_slots, resolve_name, set_submodule, swap_linears,
-                 target_linears)
-from .hf_moe import add_experts, is_experts, quantize_experts_
+from .hf import Slot, build_skeleton, keep_fp32_names, model_slots, resolve_name, swap_linears, target_linears
+from .hf_moe import add_experts
 from .legacy import legacy_reason
 from .linear import Fp8Linear, check_float_weight
-from .moe import Fp8Experts
 from .moe_load import ExpertsLoad
-from .report import LayerRow, LoadReport, peak_host_rss_bytes, plan_names, tensor_bytes, weight_error
+from .quantize import build_report, layer_row, quantize_  # noqa: F401  (quantize_: also public here)
+from .report import LayerRow, LoadReport
 from .tensor_file import read_tensors
 from .tp import TpState, shard
 
@@ -126,15 +125,7 @@ def _quantize_layer(layer: Fp8Linear, parts: dict[str, tuple[torch.Tensor, Path,
         layer.load_(w, b) if tp is None else tp.load_layer(layer, w, b)  # tp: SPEC §6 scales
     except ValueError as e:
         raise ValueError(f"{path}: tensor {key!r}: {e}") from None
-    return _row(layer, w if measure else None)
-
-
-def _row(layer: Fp8Linear, w: torch.Tensor | None) -> LayerRow:
-    """The report row of a quantized layer; with its float weight `w`, its error figures too."""
-    figures = (None,) * 4 if w is None else weight_error(w, layer.weight, layer.weight_scale, layer.scheme)
-    return LayerRow(layer.name, layer.scheme.value, layer.backend or "?", layer.out_features,
-                    layer.in_features, layer.bias is not None, *figures[:2], plan=plan_names(layer),
-                    zero_flushed=figures[2], worst_group_flushed=figures[3])
+    return layer_row(layer, w if measure else None)
 
 
 def _materialize(slot: Slot, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -286,7 +277,7 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
     rows = _stream(by_file, slots, device, dtype, measure_error, experts, tp)
     _finish(model, device, str(model_dir))
     _trim_heap()
-    report = _report(model, rows, ignored + experts.ignored, str(model_dir), device, dtype, config)
+    report = build_report(model, rows, ignored + experts.ignored, str(model_dir), device, dtype, config)
     add_experts(report, model, experts.rows)
     report.skipped_tensors = skipped
     report.files = [p.name for p in files]
@@ -295,54 +286,3 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
         report.peak_device_bytes = torch.cuda.max_memory_allocated(device)
         report.device_bytes_at_start = at_start
     return model, report
-
-
-def _report(model: nn.Module, rows: list[LayerRow], ignored: list[tuple[str, str]], source: str,
-            device: torch.device, dtype: torch.dtype, config: Fp8Config) -> LoadReport:
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
-    order = {name: i for i, name in enumerate(layers)}
-    rows = sorted(rows, key=lambda row: order[row.name])
-    report = LoadReport(source=source, device=str(device), dtype=str(dtype).removeprefix("torch."),
-                        scheme=config.scheme.value, layers=rows, ignored=ignored)
-    for row in rows:
-        layer = layers[row.name]
-        report.bf16_bytes += 2 * layer.weight.numel()
-        report.fp8_bytes += layer.weight.numel() * layer.weight.element_size() + layer.weight_scale.nbytes
-    report.model_bytes = tensor_bytes([*model.parameters(), *model.buffers()])
-    report.work_bytes = sum(m._work.nbytes for m in layers.values() if m._work is not None)
-    report.peak_host_rss_bytes = peak_host_rss_bytes()
-    return report
-
-
-def quantize_(model: nn.Module, config: Fp8Config | None = None, *,
-              measure_error: bool = True) -> LoadReport:
-    """Swap the block linears of an already materialized model for `Fp8Linear`s, in place.
-
-    Idempotent: an existing `Fp8Linear` is skipped (listed as already FP8), never re-quantized.
-    Raises when the model has nothing to quantize and nothing already quantized.
-    """
-    start = time.perf_counter()
-    config = config or Fp8Config()
-    targets, ignored = target_linears(model, config)
-    if not targets and not any(isinstance(m, (Fp8Linear, Fp8Experts)) or is_experts(m) for m in model.modules()):
-        raise ValueError(f"quantize_: nothing to quantize in {type(model).__name__}: all {len(ignored)} "
-                         "linear layers are left alone; loosen Fp8Config.ignore")
-    rows: list[LayerRow] = []
-    device = torch.device("cpu")
-    for name, linear in targets.items():
-        for p in linear.parameters():
-            if p.is_meta:
-                raise ValueError(f"quantize_: {name} is on the meta device; load checkpoints with "
-                                 "fp8now.load")
-        w = linear.weight.detach()
-        device = w.device
-        layer = Fp8Linear.from_linear(linear, config, name=name)
-        rows.append(_row(layer, w if measure_error else None))
-        set_submodule(model, name, layer)
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1),
-                 torch.bfloat16)
-    expert_rows, expert_ignored = quantize_experts_(model, config, measure_error)
-    report = _report(model, rows, ignored + expert_ignored, type(model).__name__, device, dtype, config)
-    add_experts(report, model, expert_rows)
-    report.load_s = time.perf_counter() - start
-    return report

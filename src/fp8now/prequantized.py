@@ -150,7 +150,8 @@ def _install(layer: Fp8Linear, tensors: dict[str, torch.Tensor], device: torch.d
 def load_prequantized(model_dir: Path, raw: dict, config: Fp8Config | None, device: torch.device,
                       dtype: torch.dtype):
     """fp8now.load for a checkpoint whose config.json has a `quantization_config` -> (model, report)."""
-    from .loader import _check_header, _finish, _materialize, _read, _report
+    from .loader import _check_header, _finish, _materialize, _read
+    from .quantize import build_report
 
     config = config or Fp8Config()
     info = read_quantization_config(raw, str(model_dir / "config.json"))
@@ -212,7 +213,7 @@ def load_prequantized(model_dir: Path, raw: dict, config: Fp8Config | None, devi
     finite.raise_if_bad()
     _finish(model, device, str(model_dir))
     first = next(iter(plans.values()))[0]
-    report = _report(model, rows, ignored, f"{model_dir} ({info.fmt}, pre-quantized)", device, dtype,
+    report = build_report(model, rows, ignored, f"{model_dir} ({info.fmt}, pre-quantized)", device, dtype,
                      Fp8Config(scheme=first.scheme, activation=first.act_kind))
     report.skipped_tensors = skipped
     report.files = [p.name for p in files]

@@ -1,0 +1,74 @@
+"""Report rows and reports of quantized models, and `quantize_` for a model already in memory."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from .config import Fp8Config
+from .hf import set_submodule, target_linears
+from .hf_moe import add_experts, is_experts, quantize_experts_
+from .linear import Fp8Linear
+from .moe import Fp8Experts
+from .report import LayerRow, LoadReport, peak_host_rss_bytes, plan_names, tensor_bytes, weight_error
+
+
+def layer_row(layer: Fp8Linear, w: torch.Tensor | None) -> LayerRow:
+    """The report row of a quantized layer; with its float weight `w`, its error figures too."""
+    figures = (None,) * 4 if w is None else weight_error(w, layer.weight, layer.weight_scale, layer.scheme)
+    return LayerRow(layer.name, layer.scheme.value, layer.backend or "?", layer.out_features,
+                    layer.in_features, layer.bias is not None, *figures[:2], plan=plan_names(layer),
+                    zero_flushed=figures[2], worst_group_flushed=figures[3])
+
+
+def build_report(model: nn.Module, rows: list[LayerRow], ignored: list[tuple[str, str]], source: str,
+            device: torch.device, dtype: torch.dtype, config: Fp8Config) -> LoadReport:
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    order = {name: i for i, name in enumerate(layers)}
+    rows = sorted(rows, key=lambda row: order[row.name])
+    report = LoadReport(source=source, device=str(device), dtype=str(dtype).removeprefix("torch."),
+                        scheme=config.scheme.value, layers=rows, ignored=ignored)
+    for row in rows:
+        layer = layers[row.name]
+        report.bf16_bytes += 2 * layer.weight.numel()
+        report.fp8_bytes += layer.weight.numel() * layer.weight.element_size() + layer.weight_scale.nbytes
+    report.model_bytes = tensor_bytes([*model.parameters(), *model.buffers()])
+    report.work_bytes = sum(m._work.nbytes for m in layers.values() if m._work is not None)
+    report.peak_host_rss_bytes = peak_host_rss_bytes()
+    return report
+
+
+def quantize_(model: nn.Module, config: Fp8Config | None = None, *,
+              measure_error: bool = True) -> LoadReport:
+    """Swap the block linears of an already materialized model for `Fp8Linear`s, in place.
+
+    Idempotent: an existing `Fp8Linear` is skipped (listed as already FP8), never re-quantized.
+    Raises when the model has nothing to quantize and nothing already quantized.
+    """
+    start = time.perf_counter()
+    config = config or Fp8Config()
+    targets, ignored = target_linears(model, config)
+    if not targets and not any(isinstance(m, (Fp8Linear, Fp8Experts)) or is_experts(m) for m in model.modules()):
+        raise ValueError(f"quantize_: nothing to quantize in {type(model).__name__}: all {len(ignored)} "
+                         "linear layers are left alone; loosen Fp8Config.ignore")
+    rows: list[LayerRow] = []
+    device = torch.device("cpu")
+    for name, linear in targets.items():
+        for p in linear.parameters():
+            if p.is_meta:
+                raise ValueError(f"quantize_: {name} is on the meta device; load checkpoints with "
+                                 "fp8now.load")
+        w = linear.weight.detach()
+        device = w.device
+        layer = Fp8Linear.from_linear(linear, config, name=name)
+        rows.append(layer_row(layer, w if measure_error else None))
+        set_submodule(model, name, layer)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1),
+                 torch.bfloat16)
+    expert_rows, expert_ignored = quantize_experts_(model, config, measure_error)
+    report = build_report(model, rows, ignored + expert_ignored, type(model).__name__, device, dtype, config)
+    add_experts(report, model, expert_rows)
+    report.load_s = time.perf_counter() - start
+    return report
