@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,7 +21,7 @@ from .checkpoint import INDEX_NAME, SINGLE_NAME
 from .config import Fp8Config
 from .formats import SCALE_LEAF, check_expressible, check_format, quantization_config
 from .linear import Fp8Linear
-from .models import STAMP_FILE
+from .models import STAMP_FILE, chmod_files
 
 MAX_SHARD_BYTES = 5 * 10**9
 # Files of a checkpoint folder that are weights, rewritten here or fp8now's own; everything else (tokenizer,
@@ -150,7 +150,8 @@ def save(model: nn.Module, out_dir: str | Path, format: str = "compressed-tensor
     if source is None:
         source = getattr(getattr(model, "config", None), "_name_or_path", None) or None
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp = out_dir.parent / f".{out_dir.name}.{secrets.token_hex(8)}"
+    tmp.mkdir(mode=0o777)   # the ordinary mode: 0777 less the umask
     try:
         _copy_side_files(Path(source) if source else None, tmp)
         model.config.save_pretrained(tmp)
@@ -166,11 +167,9 @@ def save(model: nn.Module, out_dir: str | Path, format: str = "compressed-tensor
             total = sum(t.numel() * t.element_size() for shard in shards for _, t in shard)
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o777 & ~mask)   # mkdtemp (and safetensors) made them private
-        for path in tmp.iterdir():
-            os.chmod(path, 0o666 & ~mask)
+        # safetensors writes private files (0600) and copies keep their source's mode: give every file
+        # the ordinary mode that config.json, written above, shows (without touching the process umask)
+        chmod_files(tmp, (tmp / "config.json").stat().st_mode & 0o777)
         if out_dir.exists():
             out_dir.rmdir()
         os.replace(tmp, out_dir)

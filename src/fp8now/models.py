@@ -207,12 +207,12 @@ def convert_gguf(src: Path, out_dir: Path, progress: bool = True) -> Path:
             model.generation_config.save_pretrained(str(out_dir))
         stamp = out_dir / STAMP_FILE
         stamp.write_text(json.dumps(_stamp(), indent=2))
-        _chmod_files(out_dir, stamp.stat().st_mode & 0o777)
+        chmod_files(out_dir, stamp.stat().st_mode & 0o777)
         bar.update()
     return out_dir
 
 
-def _chmod_files(folder: Path, mode: int) -> None:
+def chmod_files(folder: Path, mode: int) -> None:
     """Give every file in `folder` `mode`: safetensors writes its file private (0600) while the others
     get the ordinary 0666 less the umask, which the stamp file shows without touching the umask."""
     for path in folder.iterdir():
