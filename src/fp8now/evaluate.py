@@ -150,10 +150,13 @@ def tokenize(model_dir: Path, text: str) -> torch.Tensor:
     """The text as one row of token ids `[T]`, without special tokens."""
     from transformers.utils import logging as hf_logging
 
-    from .custom_code import load_tokenizer
+    from .custom_code import CustomCodeError
+    from .tokenizer import load_tokenizer
 
     try:
-        tokenizer = load_tokenizer(model_dir)
+        tokenizer = load_tokenizer(model_dir)   # names the missing files; never the folder's own code
+    except CustomCodeError:
+        raise                                    # already one line saying why and what to do
     except (OSError, ValueError) as e:
         raise ValueError(f"{model_dir}: no usable tokenizer ({str(e).splitlines()[0]}); evaluation needs "
                          "the checkpoint's tokenizer files (tokenizer.json / tokenizer_config.json)") from None
