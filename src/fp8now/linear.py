@@ -36,7 +36,8 @@ def check_float_weight(w: torch.Tensor, name: str, shape: tuple[int, ...]) -> No
         raise ValueError(
             f"{name or 'weight'} is already quantized ({w.dtype}, FP8); fp8now quantizes bf16/fp16/fp32/fp64 "
             "checkpoints while loading. Loading a pre-quantized checkpoint is a different path: "
-            "use the original bf16 checkpoint here")
+            "fp8now.load reads one as it is when its config.json has a quantization_config "
+            "(compressed-tensors or fp8); otherwise use the original bf16 checkpoint here")
     if w.dtype not in _WEIGHT_DTYPES:
         kind = "a float format fp8now does not read" if w.is_floating_point() else (
             "booleans" if w.dtype == torch.bool else "integers (packed weights of an integer-quantized "
