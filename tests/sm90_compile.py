@@ -48,7 +48,8 @@ def compile_one(name, kernel, pointers, consts, options, cap=90, scalars=None):
         wait = ptx.find("griddepcontrol.wait")
         row.update(ok=True, gdc_wait=wait >= 0, load_before_wait=wait > ptx.find("ld.global") >= 0,
                    gdc_launch="griddepcontrol.launch_dependents" in ptx,
-                   mma="wgmma" in ptx or "mma.sync" in ptx, wgmma="wgmma" in ptx)
+                   mma="wgmma" in ptx or "mma.sync" in ptx, wgmma="wgmma" in ptx,
+                   fma_f32=ptx.count("fma.rn.f32"))
     except Exception as e:  # report, do not stop: the test lists every failure
         row.update(ok=False, error=f"{type(e).__name__}: {e}"[:500])
     print(json.dumps(row), flush=True)
@@ -61,15 +62,17 @@ def main():
     floors = dict(FMAX=E4M3FN.fmax, TOKEN_FLOOR=E4M3FN.min_scale, GROUP_FLOOR=GROUP_AMAX_FLOOR)
     tiles = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
     opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    for group, quant, pdl, levels in [(False, False, False, 0), (False, False, True, 0), (False, True, False, 0),
-                                      (True, False, False, 0), (True, True, False, 0), (False, False, True, 2),
-                                      (True, False, False, 1)]:
+    for group, quant, pdl, levels, fast in [
+            (False, False, False, 0, False), (False, False, True, 0, False), (False, True, False, 0, False),
+            (True, False, False, 0, False), (True, True, False, 0, False), (False, False, True, 2, False),
+            (True, False, False, 1, False), (False, False, True, 0, True), (False, True, False, 0, True),
+            (False, False, True, 2, True)]:
         ptrs = dict(x_ptr=BF16 if quant else FP8, xs_ptr=F32, w_ptr=FP8, ws_ptr=F32, b_ptr=F32,
                     y_ptr=BF16, part_ptr=I32 if levels else F32, cnt_ptr=I32)
         consts = dict(ACT_GROUP=group, QUANT_X=quant, ROWS=1 if quant else 16, SPLITS=max(4, 1 << levels),
-                      HAS_BIAS=True, PDL=pdl, LEVELS=levels, EMPTY=td.EMPTY, **floors, **tiles)
-        compile_one(f"decode group={group} quant={quant} pdl={pdl} exchange_levels={levels}", td._decode_kernel,
-                    ptrs, consts, dict(opts, launch_pdl=pdl), scalars=dict(one="fp32"))
+                      HAS_BIAS=True, PDL=pdl, LEVELS=levels, EMPTY=td.EMPTY, FAST_ACCUM=fast, **floors, **tiles)
+        compile_one(f"decode group={group} quant={quant} pdl={pdl} exchange_levels={levels}" + " fast_accum" * fast,
+                    td._decode_kernel, ptrs, consts, dict(opts, launch_pdl=pdl), scalars=dict(one="fp32"))
     q = dict(x_ptr=BF16, q_ptr=FP8, s_ptr=F32)
     # the launch plans of a decode row, and of long rows in both chunk widths
     for (m, k), early in [((1, 4096), False), ((16384, 14336), False), ((16384, 28672), False),
@@ -109,8 +112,9 @@ def main():
         o = dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
         partial = c["SPLIT_K"] != 1
         compile_one(f"block_gemm M<={bound}", tb._block_gemm_kernel, g, dict(HAS_BIAS=True, PARTIAL=partial, **t), o)
-        compile_one(f"rowwise_gemm M<={bound}", tr._rowwise_gemm_kernel, g,
-                    dict(HAS_BIAS=True, PARTIAL=partial, **t), o, scalars=dict(one="fp32"))
+        for fast in (False, True):
+            compile_one(f"rowwise_gemm M<={bound}" + " fast_accum" * fast, tr._rowwise_gemm_kernel, g,
+                        dict(HAS_BIAS=True, PARTIAL=partial, FAST_ACCUM=fast, **t), o, scalars=dict(one="fp32"))
     compile_one("split_reduce", tk.split_reduce_kernel,
                 dict(p_ptr=F32, xs_ptr=F32, ws_ptr=F32, b_ptr=F32, y_ptr=BF16),
                 dict(SPLITS=4, SCALED=True, HAS_BIAS=True, BLOCK=1024), dict(num_warps=4))

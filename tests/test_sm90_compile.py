@@ -45,3 +45,12 @@ def test_gemms_use_tensor_cores(compiled):
         if "gemm" in name or name.startswith("decode"):
             assert r["mma"], name
     assert compiled["block_gemm M<=None"]["wgmma"] and compiled["rowwise_gemm M<=None"]["wgmma"]
+
+
+def test_fast_accum_variants_skip_the_promotion(compiled):
+    """Fp8Config.fast_accum's kernels accumulate in the MMA: no float32 fma per K-block (`acc += dot * one`)."""
+    fast = [name for name in compiled if name.endswith(" fast_accum")]
+    assert len(fast) >= 6, fast
+    for name in fast:
+        exact = compiled[name.removesuffix(" fast_accum")]
+        assert compiled[name]["mma"] and compiled[name]["fma_f32"] < exact["fma_f32"], (name, compiled[name], exact)

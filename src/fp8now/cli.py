@@ -63,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("--scheme", default="channel", help=scheme_help + " (default: channel)")
     ins.add_argument("--layers", action="store_true",
                      help="print every layer (default: one summary row per projection type)")
+    for command in (run, ev, ins):
+        command.add_argument("--fast-accum", action="store_true",
+                             help="tensor/channel GEMMs with the tensor cores' fast FP8 accumulation, as torchao "
+                             "does by default (GPU with FP8 tensor cores only; block refuses it) (default: off, "
+                             "float32 accumulation per K-block)")
     qz = sub.add_parser("quantize", parents=[common], help="quantize while loading, save an FP8 checkpoint "
                         "(compressed-tensors or transformers' fp8) for vLLM, SGLang or transformers")
     qz.add_argument("--scheme", default="channel", help=scheme_help + " (default: channel)")
@@ -111,7 +116,7 @@ def _load(args, measure_error: bool = True, model_dir=None):
     from .loader import load
     from .models import resolve_model
 
-    key, config = scheme_config(args.scheme)
+    key, config = scheme_config(args.scheme, args.fast_accum)
     device = _device(args.device)
     model_dir = model_dir or resolve_model(args.model, progress=_progress())
     model, report = load(model_dir, config, device=device, measure_error=measure_error)
@@ -126,7 +131,7 @@ def cmd_inspect(args) -> int:
     data = report.to_dict()
     summary = projection_summary(data["layers"])
     if args.json:
-        entry = scheme_entry(config_dict(scheme_config(key)[1]), data, {"summary": summary})
+        entry = scheme_entry(config_dict(scheme_config(key, args.fast_accum)[1]), data, {"summary": summary})
         print(dumps(envelope("inspect", model_dir, report.device, {"layers": args.layers}, {key: entry})))
         return 0
     print(f"{model_dir} as FP8 ({key})")
@@ -156,8 +161,9 @@ def cmd_run(args) -> int:
         from .evaluate import config_dict, scheme_config
         from .output import dumps, envelope, scheme_entry
 
-        options = {k: getattr(args, k) for k in ("scheme", "prompt", "max_new_tokens", "mode", "seed")}
-        entry = scheme_entry(config_dict(scheme_config(key)[1]), report.to_dict(), {"generations": generations})
+        options = {k: getattr(args, k) for k in ("scheme", "prompt", "max_new_tokens", "mode", "seed", "fast_accum")}
+        entry = scheme_entry(config_dict(scheme_config(key, args.fast_accum)[1]), report.to_dict(),
+                             {"generations": generations})
         print(dumps(envelope("run", model_dir, report.device, options, {key: entry})))
     return 0
 
@@ -171,7 +177,7 @@ def _run(args):
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    scheme_config(args.scheme)                       # a bad scheme fails before anything is read
+    scheme_config(args.scheme, args.fast_accum)      # a bad scheme fails before anything is read
     model_dir = resolve_model(args.model, progress=_progress())
     tokenizer = load_tokenizer(model_dir)            # before any weight is read
     key, model_dir, model, report = _load(args, measure_error=False, model_dir=model_dir)
@@ -255,11 +261,13 @@ def _memory_summary(report, rss_after_load: int | None) -> str:
 
 
 def cmd_eval(args) -> int:
-    from .evaluate import bundled_text, evaluate, expand_schemes, plot_schemes
+    from .evaluate import bundled_text, evaluate, expand_schemes, plot_schemes, scheme_config
     from .output import dumps, eval_envelope, format_eval
     from .models import resolve_model
 
     keys = expand_schemes([args.scheme])
+    for key in keys:                                 # e.g. block with --fast-accum fails before anything is read
+        scheme_config(key, args.fast_accum)
     device = _device(args.device)
     if args.text is None:
         name, text = bundled_text()
@@ -276,11 +284,13 @@ def cmd_eval(args) -> int:
     print(f"fp8now eval: {name}, " + (f"its first {max_tokens} tokens (--max-tokens 0: all of it)"
                                        if max_tokens else "all of it"), file=sys.stderr)
     results = evaluate(model_dir, keys, text, max_tokens=max_tokens, seq_len=args.seq_len,
-                       device=device, batch_size=args.batch_size, text_name=name, progress=_progress())
+                       device=device, batch_size=args.batch_size, text_name=name, progress=_progress(),
+                       fast_accum=args.fast_accum)
     if args.plot:
         results["plot"] = str(plot_schemes(results, args.plot))
     if args.json:
-        options = {k: getattr(args, k) for k in ("scheme", "text", "max_tokens", "seq_len", "batch_size")}
+        options = {k: getattr(args, k) for k in ("scheme", "text", "max_tokens", "seq_len", "batch_size",
+                                                  "fast_accum")}
         print(dumps(eval_envelope(results, options)))
         return 0
     print(format_eval(results, layers=args.layers))

@@ -52,6 +52,13 @@ ALLOWED_ACT: dict[Scheme, tuple[str, ...]] = {
 }
 
 
+# Why `block` refuses fast_accum instead of ignoring it.
+FAST_ACCUM_BLOCK = ("its GEMMs multiply every 128-wide K-block's product by that block's own scales, so each "
+                    "product leaves the tensor-core accumulator after one block anyway; there is no long "
+                    "accumulation to make faster. Use scheme 'channel' or 'tensor' with fast_accum=True, or "
+                    "block without it")
+
+
 # Every scheme name a user may type -> (weight scheme, activation kind). Keys are lower case with `-`;
 # parse_scheme_name folds case and `_`. fp8now's grammar: `<weight>` (the scheme's default
 # activations) or `<weight>-<activation>`. The other tools' names map to what those tools compute.
@@ -131,6 +138,11 @@ class Fp8Config:
         (fp8now.decode_graphs: same bytes, a fraction of the host time); False launches every call.
     tp_invariant: under tensor parallelism, reduce row-parallel inputs' per-token amax over the TP
         group (MAX) before quantizing, so the logits equal TP=1 up to summation order (SPEC §6).
+    fast_accum: tensor and channel GEMMs keep the whole K in the FP8 tensor cores' own accumulator
+        (Hopper's fast accumulation, torch._scaled_mm's use_fast_accum; torchao's default) instead of
+        promoting every K-block's product to float32: faster, fewer accurate bits. Only GPU backends
+        with FP8 tensor cores have it (others refuse); `block` refuses it (see FAST_ACCUM_BLOCK).
+        Routed experts (Fp8Experts) do not use it.
     """
 
     scheme: Scheme = Scheme.CHANNEL
@@ -141,6 +153,7 @@ class Fp8Config:
     activation: str = "auto"
     decode_graphs: bool = True
     tp_invariant: bool = False
+    fast_accum: bool = False
 
     def __post_init__(self) -> None:
         scheme, activation = _named_activation("scheme", self.scheme, self.activation)
@@ -170,6 +183,10 @@ class Fp8Config:
                 raise ValueError(
                     f"activation={self.activation!r} does not fit scheme {scheme.value!r}; "
                     f"allowed: {', '.join(ALLOWED_ACT[scheme])}")
+        if not isinstance(self.fast_accum, bool):
+            raise TypeError(f"Fp8Config.fast_accum must be True or False, got {self.fast_accum!r}")
+        if self.fast_accum and self.scheme is Scheme.BLOCK:
+            raise ValueError(f"fast_accum=True does not apply to scheme 'block': {FAST_ACCUM_BLOCK}")
         if self.batch_invariant and self.activation == "tensor":
             raise ValueError("batch_invariant=True needs per-token or per-group activation scales, "
                              "not activation='tensor' (one scale over the batch couples its rows)")

@@ -31,18 +31,20 @@ class TransformersConfig(QuantizationConfigMixin):
 
     def __init__(self, scheme: str = "channel", ignore: tuple[str, ...] | list[str] = ("lm_head",),
                  backend: str = "auto", activation: str = "auto", batch_invariant: bool = False,
-                 decode_graphs: bool = True, **kwargs) -> None:
+                 decode_graphs: bool = True, fast_accum: bool = False, **kwargs) -> None:
         self.quant_method = METHOD
         self.scheme = str(getattr(scheme, "value", scheme))
         self.ignore = list(ignore) if not isinstance(ignore, str) else ignore
         self.backend, self.activation = backend, activation
         self.batch_invariant, self.decode_graphs = batch_invariant, decode_graphs
+        self.fast_accum = fast_accum
         self.fp8_config()   # validate now, with Fp8Config's errors
 
     def fp8_config(self) -> Fp8Config:
         return Fp8Config(scheme=self.scheme, ignore=tuple(self.ignore) if not isinstance(self.ignore, str)
                          else self.ignore, backend=self.backend, activation=self.activation,
-                         batch_invariant=self.batch_invariant, decode_graphs=self.decode_graphs)
+                         batch_invariant=self.batch_invariant, decode_graphs=self.decode_graphs,
+                         fast_accum=self.fast_accum)
 
 
 class _QuantizeOnLoad(ConversionOps):

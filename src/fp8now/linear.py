@@ -67,6 +67,7 @@ class Fp8Linear(nn.Module):
         self.act_kind: str = config.act_kind(config.scheme)
         self.forced_backend: str = config.backend
         self.batch_invariant: bool = config.batch_invariant
+        self.fast_accum: bool = config.fast_accum
         self.use_decode_graphs: bool = config.decode_graphs
         self._graphs: decode_graphs.DecodeGraphs | None = None
         self._graph_rows = 0
@@ -143,7 +144,7 @@ class Fp8Linear(nn.Module):
     def pick_backend(self) -> str:
         """(Re)choose the backend for the layer's current device; call again after moving it."""
         self.backend = pick_backend(self.weight.device, self.scheme, self.act_kind, self.out_features,
-                                    self.in_features, self.forced_backend, self.batch_invariant)
+                                    self.in_features, self.forced_backend, self.batch_invariant, self.fast_accum)
         self._impl = backend_module(self.backend)
         self._device_class = device_class(self.weight.device)
         self._paths = {}
@@ -161,7 +162,7 @@ class Fp8Linear(nn.Module):
         if self.backend is None:
             raise RuntimeError(f"Fp8Linear {self.name or ''} has no weight yet: call load_(w) first")
         return plan(self.backend, self.scheme, self.act_kind, m, self.out_features, self.in_features,
-                    self._device_class, self.batch_invariant, compiling, self.plan_table)
+                    self._device_class, self.batch_invariant, compiling, self.plan_table, self.fast_accum)
 
     def use_table(self, table: Table | None) -> None:
         """Plan this layer's calls from `table` (None: the device class's), e.g. to test or tune a path."""
@@ -225,4 +226,5 @@ class Fp8Linear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, scheme={self.scheme.value}, act={self.act_kind}, "
                 f"backend={self.backend or 'unloaded'}"
-                + (", batch_invariant=True" if self.batch_invariant else ""))
+                + (", batch_invariant=True" if self.batch_invariant else "")
+                + (", fast_accum=True" if self.fast_accum else ""))

@@ -4,7 +4,7 @@ JSON (`--json`), the same keys for every command:
     {"command": "run" | "eval" | "inspect", "model": folder, "device": str,
      "args": {the command's options},
      "results": {command-wide results: eval's text and bf16 time; {} otherwise},
-     "schemes": {key: {"config": {"scheme", "activation", "backend"},
+     "schemes": {key: {"config": {"scheme", "activation", "backend", "fast_accum"},
                        "report": LoadReport.to_dict(),
                        "results": {run: "generations"; eval: the KL statistics; inspect: "summary"}}}}
 Non-finite floats become null, so the output is strict JSON.

@@ -101,7 +101,8 @@ def _plan_layers(model: nn.Module, headers: dict[str, tuple[Path, tuple, str]], 
         try:
             layer_config = Fp8Config(scheme=scheme, activation=act if config.activation == "auto"
                                      else config.activation, ignore=config.ignore, backend=config.backend,
-                                     batch_invariant=config.batch_invariant, decode_graphs=config.decode_graphs)
+                                     batch_invariant=config.batch_invariant, decode_graphs=config.decode_graphs,
+                                     fast_accum=config.fast_accum)
         except ValueError as e:
             raise ValueError(f"{path}: layer {name} ({scheme.value} weights, per-{act} activations): {e}") from None
         layer = Fp8Linear(k, n, linear.bias is not None, layer_config, device="meta",

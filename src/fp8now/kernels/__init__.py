@@ -48,6 +48,22 @@ TABLE: dict[tuple[str, Scheme], tuple[str, ...]] = {
 }
 
 
+# Backends without fast FP8 accumulation (Fp8Config.fast_accum) -> why; the torch backend has it on GPUs only.
+NO_FAST_ACCUM: dict[str, str] = {
+    "reference": "the exact float64 product (the test oracle) has no fast accumulation",
+    "cpu": "oneDNN's bf16 GEMM accumulates in float32; there is no fast FP8 accumulation on a CPU",
+    "triton-w8a16": "a bf16/fp16 GEMM on GPUs without FP8 tensor cores: no FP8 accumulator to run fast",
+}
+NO_FAST_ACCUM_CPU = "torch's CPU _scaled_mm accumulates in float32; fast accumulation is a cuBLAS mode"
+
+
+def fast_accum_unfit(name: str, dclass: str) -> str | None:
+    """None if backend `name` on a `dclass` device has fast FP8 accumulation, else why not."""
+    if name == "torch" and dclass == "cpu":
+        return NO_FAST_ACCUM_CPU
+    return NO_FAST_ACCUM.get(name)
+
+
 def device_class(device: torch.device) -> str:
     """"cuda-fp8", "cuda" or "cpu" (other device types are treated like CPU: reference only)."""
     if device.type == "cuda":
@@ -62,16 +78,18 @@ def backend_module(name: str) -> ModuleType:
     return importlib.import_module(MODULES[name])
 
 
-def _reason(name: str, device, scheme, act_kind, n, k, batch_invariant) -> str | None:
+def _reason(name: str, device, scheme, act_kind, n, k, batch_invariant, fast_accum) -> str | None:
     try:
         module = backend_module(name)
     except ImportError as e:
         return f"cannot import ({e})"
+    if fast_accum and (why := fast_accum_unfit(name, device_class(device))) is not None:
+        return f"fast_accum=True: {why}"
     return module.available(device, scheme, act_kind, n, k, batch_invariant)
 
 
 def pick_backend(device: torch.device | str, scheme: Scheme, act_kind: str, n: int, k: int,
-                 forced: str = "auto", batch_invariant: bool = False) -> str:
+                 forced: str = "auto", batch_invariant: bool = False, fast_accum: bool = False) -> str:
     """Name of the backend for a layer `[N, K]` on `device`; raises listing every rejected candidate."""
     device = torch.device(device)
     scheme = Scheme.parse(scheme)
@@ -79,13 +97,15 @@ def pick_backend(device: torch.device | str, scheme: Scheme, act_kind: str, n: i
     candidates = TABLE[(dclass, scheme)] if forced == "auto" else (forced,)
     reasons = []
     for name in candidates:
-        why = _reason(name, device, scheme, act_kind, n, k, batch_invariant)
+        why = _reason(name, device, scheme, act_kind, n, k, batch_invariant, fast_accum)
         if why is None:
             return name
         reasons.append(f"{name}: {why}")
     what = f"scheme {scheme.value!r} (activation {act_kind}) on {device} ({dclass}) for N={n}, K={k}"
     if batch_invariant:
         what += " with batch_invariant=True"
+    if fast_accum:
+        what += " with fast_accum=True (a GPU with FP8 tensor cores, or fast_accum=False)"
     raise RuntimeError(f"no FP8 backend fits {what}; rejected: " + "; ".join(reasons)
                        + ". Choose another backend= or scheme, or ignore this layer.")
 

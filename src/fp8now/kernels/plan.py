@@ -10,7 +10,7 @@ BENCHMARKS.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Callable, Mapping, NamedTuple
 
@@ -56,7 +56,8 @@ class Path:
     """What one call runs: `quant` computes the activation's `act` scales ("triton", "torch" ops,
     "fused" into the GEMM kernel, or "none": left in bf16/fp16), then `gemm` with `config` overrides
     (e.g. SPLIT_K, num_stages), as a programmatic dependent launch if `pdl` (sm_90), with one fixed
-    configuration for every M if `invariant`."""
+    configuration for every M if `invariant`, accumulating all of K in the tensor cores' own
+    accumulator if `fast_accum` (only GEMMs in FAST_ACCUM_GEMMS)."""
 
     scheme: Scheme
     act: str
@@ -65,14 +66,22 @@ class Path:
     config: tuple[tuple[str, int], ...] = ()
     pdl: bool = False
     invariant: bool = False
+    fast_accum: bool = False
 
     @property
     def name(self) -> str:
         """E.g. "triton-token + triton-decode-exchange (SPLIT_K=2, num_stages=6, pdl)"."""
         head = self.gemm if self.quant == "none" else f"{self.quant}-{self.act} + {self.gemm}"
         notes = [f"{key}={value}" for key, value in self.config]
-        notes += ["pdl"] * self.pdl + ["batch-invariant"] * self.invariant
+        notes += ["pdl"] * self.pdl + ["batch-invariant"] * self.invariant + ["fast-accum"] * self.fast_accum
         return head + (f" ({', '.join(notes)})" if notes else "")
+
+
+# GEMMs with a fast-accumulation variant (Fp8Config.fast_accum): the tensor-core ones of the tensor and
+# channel schemes. Not the GEMV (CUDA-core float32 products: nothing to speed up) nor the block GEMMs
+# (each K-block's product leaves the accumulator to take its scales).
+FAST_ACCUM_GEMMS = frozenset({"triton-rowwise", "triton-decode", "triton-decode-exchange", "cublas-rowwise",
+                              "cublas-tensorwise"})
 
 
 class Weights(NamedTuple):
@@ -160,12 +169,14 @@ PLANNERS: Mapping[str, Callable[..., Path]] = MappingProxyType({
 
 
 def plan(backend: str, scheme: Scheme, act: str, m: int, n: int, k: int, device_class: str,
-         batch_invariant: bool = False, compiling: bool = False, table: Table | None = None) -> Path:
+         batch_invariant: bool = False, compiling: bool = False, table: Table | None = None,
+         fast_accum: bool = False) -> Path:
     """The path of one call of `backend` on x [M, K] and a weight [N, K] (`compiling`: under torch.compile);
-    `table` defaults to the device class's."""
+    `table` defaults to the device class's; `fast_accum` marks the GEMMs that have the mode."""
     if backend not in PLANNERS:
         raise ValueError(f"no plan for backend {backend!r}; known: {', '.join(PLANNERS)}")
     if table is None:
         table = TABLES[device_class]
-    return PLANNERS[backend](Scheme.parse(scheme), act, m, n, k, device_class, batch_invariant, compiling,
+    path = PLANNERS[backend](Scheme.parse(scheme), act, m, n, k, device_class, batch_invariant, compiling,
                              table)
+    return replace(path, fast_accum=True) if fast_accum and path.gemm in FAST_ACCUM_GEMMS else path

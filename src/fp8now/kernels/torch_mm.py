@@ -54,12 +54,13 @@ def available(device: torch.device, scheme: Scheme, act_kind: str, n: int, k: in
 
 
 def rowwise_mm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+               bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """`_scaled_mm` of x_q [M, K] and w_q [N, K]: both scales 0-d (tensorwise), or a per-token /
     single activation scale with a per-channel / single weight scale (rowwise, shaped here to the
     [M, 1] and [1, N] cuBLAS wants; views when they already are).
 
     On CPU the product is taken in float32 (exact there); cuBLAS rowwise writes bf16 only.
+    `fast_accum`: cuBLAS's fast FP8 accumulation (`use_fast_accum`; the plan sets it on GPUs only).
     """
     tensorwise = x_scale.dim() == 0 and w_scale.dim() == 0
     if not tensorwise:
@@ -71,7 +72,7 @@ def rowwise_mm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_sc
         mm_dtype = out_dtype if tensorwise else torch.bfloat16
     fuse_bias = bias is not None and bias.dtype == mm_dtype
     y = torch._scaled_mm(x_q, w_q.t(), x_scale, w_scale, bias=bias if fuse_bias else None,
-                         out_dtype=mm_dtype)
+                         out_dtype=mm_dtype, use_fast_accum=fast_accum)
     if bias is not None and not fuse_bias:
         y = y.float() + bias.float()
     return y.to(out_dtype)
@@ -102,4 +103,4 @@ def linear(x: torch.Tensor, weights: Weights, path: Path) -> torch.Tensor:
     x_q, x_scale = quantize_activation(x, path.act)
     if path.scheme is Scheme.BLOCK:
         return blockwise_mm(x_q, x_scale, w_q, w_scale, bias, x.dtype)
-    return rowwise_mm(x_q, x_scale, w_q, w_scale, bias, x.dtype)
+    return rowwise_mm(x_q, x_scale, w_q, w_scale, bias, x.dtype, path.fast_accum)

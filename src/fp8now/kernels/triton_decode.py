@@ -60,7 +60,8 @@ def _decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr
                    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
                    FMAX: tl.constexpr, TOKEN_FLOOR: tl.constexpr, GROUP_FLOOR: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PDL: tl.constexpr, LEVELS: tl.constexpr, EMPTY: tl.constexpr):
+                   PDL: tl.constexpr, LEVELS: tl.constexpr, EMPTY: tl.constexpr,
+                   FAST_ACCUM: tl.constexpr):
     # ROWS: activation rows a program quantizes: BLOCK_M, or 1 when M == 1 (that row is quantized
     # once and broadcast to the MMA's BLOCK_M rows, instead of quantizing BLOCK_M copies of it).
     tile = tl.program_id(0)
@@ -124,6 +125,8 @@ def _decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr
         if ACT_GROUP:  # block weights: one scale per (128-row tile, K-block); BLOCK_N divides 128
             sb = tl.load(ws_ptr + ((pid_n * BLOCK_N) // 128) * stride_wsn + (k0 // 128) * stride_wsk)
             acc += tl.dot(a, b) * (sa * sb)[:, None]
+        elif FAST_ACCUM:  # this split's K in the MMA's own accumulator (see triton_rowwise)
+            acc = tl.dot(a, b, acc)
         else:  # keep every K-block's product apart from the MMA's own accumulator (see triton_rowwise)
             acc += tl.dot(a, b) * tl.cast(one, tl.float32)
     if LEVELS > 0:  # the splits meet in a fixed binary tree of pairwise exchanges (see _exchange)
@@ -212,7 +215,7 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
                   bias: torch.Tensor | None = None, *, x_scale: torch.Tensor | None = None,
                   counters: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                   config: dict | None = None, pdl: bool = False,
-                  slots: torch.Tensor | None = None) -> torch.Tensor:
+                  slots: torch.Tensor | None = None, fast_accum: bool = False) -> torch.Tensor:
     """y [M, N] = quantize(x [M, K]) @ W.T (+ bias) in one launch, for M <= MAX_M.
 
     w_kind "tensor" (w_s 0-d / [1]) or "channel" (w_s [N, 1]) with act "token"; w_kind "block"
@@ -225,11 +228,17 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
 
     `slots` (from `exchange_slots`): add the K splits by pairwise exchanges (`_exchange`) instead of the
     ticket; the number of splits must then be a power of two.
+
+    `fast_accum` (token scales only: block promotes every K-block to apply its scales): each split
+    accumulates in the tensor cores' own accumulator (Fp8Config.fast_accum).
     """
     require_triton()
     if act not in ACTS or w_kind not in W_KINDS or (act == "group") != (w_kind == "block"):
         raise ValueError(f"decode_linear pairs act 'token' with w_kind 'tensor'/'channel' and act 'group' "
                          f"with w_kind 'block'; got act={act!r}, w_kind={w_kind!r}")
+    if fast_accum and act == "group":
+        raise ValueError("decode_linear: fast_accum applies to per-token scales only (block GEMMs promote "
+                         "every K-block's product to apply its scales)")
     if w_q.dim() != 2 or w_q.dtype != tj.FP8_DTYPE:
         raise ValueError(f"w_q must be a 2-D {tj.FP8_DTYPE} tensor, got {w_q.dtype} {tuple(w_q.shape)}")
     N, K = w_q.shape
@@ -299,7 +308,7 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
         ACT_GROUP=act == "group", QUANT_X=quant_x, ROWS=1 if M == 1 else cfg["BLOCK_M"], SPLITS=splits,
         HAS_BIAS=bias is not None, FMAX=E4M3FN.fmax, TOKEN_FLOOR=E4M3FN.min_scale,
         GROUP_FLOOR=GROUP_AMAX_FLOOR, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], PDL=bool(launch), LEVELS=levels, EMPTY=EMPTY,
+        BLOCK_K=cfg["BLOCK_K"], PDL=bool(launch), LEVELS=levels, EMPTY=EMPTY, FAST_ACCUM=fast_accum,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch)
     return y
 

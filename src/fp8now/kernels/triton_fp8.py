@@ -76,7 +76,7 @@ def quantize(x: torch.Tensor, path: Path) -> tuple[torch.Tensor, torch.Tensor]:
 def linear(x: torch.Tensor, weights: Weights, path: Path) -> torch.Tensor:
     """y [M, N] = quantize(x [M, K]) @ W.T + bias in x.dtype, run as `path` says."""
     w_q, w_s, bias, ws = weights
-    gemm, config = path.gemm, dict(path.config) or None
+    gemm, config, fast = path.gemm, dict(path.config) or None, path.fast_accum
     if path.quant == "fused":
         return triton_decode.decode_linear(x, w_q, w_s, path.scheme.value, path.act, bias, counters=ws,
                                            config=config)
@@ -88,15 +88,15 @@ def linear(x: torch.Tensor, weights: Weights, path: Path) -> torch.Tensor:
         slots = exchange_slots_of(ws, w_q.shape[0], w_q.device) if gemm == "triton-decode-exchange" else None
         return triton_decode.decode_linear(x_q, w_q, w_s, path.scheme.value, path.act, bias, x_scale=x_s,
                                            counters=ws, out_dtype=x.dtype, pdl=path.pdl, config=config,
-                                           slots=slots)
+                                           slots=slots, fast_accum=fast)
     if gemm == "triton-block":
         return block_gemm(x_q, x_s, w_q, w_s, bias, x.dtype, batch_invariant=path.invariant)
     if gemm == "triton-rowwise":
-        return rowwise_gemm(x_q, x_s, w_q, w_s, bias, x.dtype, batch_invariant=path.invariant)
+        return rowwise_gemm(x_q, x_s, w_q, w_s, bias, x.dtype, batch_invariant=path.invariant, fast_accum=fast)
     if gemm == "cublas-blockwise":
         return torch_mm.blockwise_mm(x_q, x_s, w_q, w_s, bias, x.dtype)
     if gemm == "cublas-tensorwise":
-        return torch_mm.rowwise_mm(x_q, x_s.reshape(()), w_q, w_s.reshape(()), bias, x.dtype)
+        return torch_mm.rowwise_mm(x_q, x_s.reshape(()), w_q, w_s.reshape(()), bias, x.dtype, fast)
     if gemm == "cublas-rowwise":
-        return torch_mm.rowwise_mm(x_q, x_s, w_q, w_s, bias, x.dtype)
+        return torch_mm.rowwise_mm(x_q, x_s, w_q, w_s, bias, x.dtype, fast)
     raise ValueError(f"the triton backend does not run {path.name!r}")
