@@ -15,10 +15,11 @@ import fp8now
 from fp8now import Fp8Config, Fp8Experts, rel_diff
 from fp8now.export import save
 
-# (format, scheme, moe_scheme): every pair a format can state for experts, and dense and experts apart.
-ROUND_TRIPS = [("compressed-tensors", "channel", None), ("compressed-tensors", "block", None),
-               ("compressed-tensors", "tensor", None), ("fp8", "block", None),
-               ("compressed-tensors", "channel", "tensor")]
+# (family, format, scheme, moe_scheme): every pair a format can state for experts, dense and experts apart,
+# Mixtral's names and its partial 128-row tiles (I = 192).
+ROUND_TRIPS = [("qwen3_moe", "compressed-tensors", "channel", None), ("qwen3_moe", "compressed-tensors", "block", None),
+               ("qwen3_moe", "fp8", "block", None), ("qwen3_moe", "compressed-tensors", "channel", "tensor"),
+               ("mixtral", "compressed-tensors", "tensor", None), ("mixtral", "fp8", "block", None)]
 # The checkpoint names of (gate, up, down) per family, as the families' own bf16 files spell them.
 EXPERT_NAMES = {"qwen3_moe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
                 "mixtral": ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
@@ -48,8 +49,7 @@ def load(folder, scheme: str, moe_scheme: str | None = None):
     return fp8now.load(folder, Fp8Config(scheme=scheme, moe_scheme=moe_scheme), device="cpu")[0]
 
 
-@pytest.mark.parametrize("family", sorted(EXPERT_NAMES))
-@pytest.mark.parametrize("fmt,scheme,moe_scheme", ROUND_TRIPS)
+@pytest.mark.parametrize("family,fmt,scheme,moe_scheme", ROUND_TRIPS)
 def test_moe_round_trip_keeps_bytes_scales_and_logits(sources, tmp_path, family, fmt, scheme, moe_scheme):
     model = load(sources[family], scheme, moe_scheme)
     out = save(model, tmp_path / "out", fmt, max_shard_bytes=150_000)
@@ -120,3 +120,32 @@ def test_transformers_reads_the_moe_export_and_agrees(tmp_path, family, fmt, sch
     assert rel_diff(ours, logits(theirs)) < 1e-2
     bf16 = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16).eval()
     assert rel_diff(ours, logits(bf16)) < 2e-2
+
+
+def test_experts_that_no_format_lays_out_are_refused_before_writing(tmp_path):
+    """GPT-OSS keeps its experts fused (and biased) on disk: refused before any file is written; kept in
+    bf16 they are written as the model holds them and load back."""
+    src = save_moe("gpt_oss", tmp_path, seed=13)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts \(gpt_oss\): transformers stores these "
+                                         r"experts fused on disk"):
+        save(load(src, "channel"), tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt_oss"]
+    kept = fp8now.load(src, Fp8Config(ignore=["lm_head", "re:.*experts"]), device="cpu")[0]
+    again, report = fp8now.load(save(kept, tmp_path / "out"), device="cpu")
+    assert not experts_of(again) and ("model.layers.0.mlp.experts", "left in high precision by the "
+                                      "compressed-tensors checkpoint") in report.ignored
+    a, b = kept.state_dict(), again.state_dict()
+    assert a.keys() == b.keys() and all(same_bytes(a[k], b[k]) for k in a)
+
+
+def test_moe_scheme_the_format_cannot_state_and_unloaded_experts(sources, tmp_path):
+    model = load(sources["qwen3_moe"], "block", "channel")
+    with pytest.raises(ValueError, match="format 'fp8' cannot express layer model.layers.0.mlp.experts.0."
+                                         "down_proj: channel weights"):
+        save(model, tmp_path / "out", "fp8")
+    layer = experts_of(model)["model.layers.1.mlp.experts"]
+    model.model.layers[1].mlp.experts = Fp8Experts(layer.num_experts, layer.hidden_size, layer.intermediate_size,
+                                                   act_fn=layer.act_fn, name="model.layers.1.mlp.experts")
+    with pytest.raises(ValueError, match="model.layers.1.mlp.experts has no weight yet"):
+        save(model, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []

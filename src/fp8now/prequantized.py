@@ -21,7 +21,7 @@ from .config import Fp8Config, Scheme
 from .finite import FiniteCheck
 from .ckpt_names import find_key, model_key
 from .formats import SCALE_LEAF, Prequantized, act_of, read_quantization_config, scheme_of
-from .hf import build_skeleton, model_slots, resolve_name, set_submodule
+from .hf import build_skeleton, keep_fp32_names, model_slots, resolve_name, set_submodule
 from .hf_moe import add_experts
 from .linear import Fp8Linear
 from .moe import Fp8Experts
@@ -137,6 +137,8 @@ def load_prequantized(model_dir: Path, raw: dict, config: Fp8Config | None, devi
     slots, alias_of, computed = model_slots(model)
     for name in [n for n, s in slots.items() if isinstance(s.owner, Fp8Experts)]:
         del slots[name]   # filled from the per-expert tensors (experts.key_of)
+    for name in keep_fp32_names(model, slots):
+        slots[name].keep_fp32 = slots[name].kind == "param"   # as the float loader keeps them
     fp8_keys = {key: (name, part) for name, (_, parts) in plans.items() for part, key in parts.items()}
     known = set(slots) | set(alias_of) | computed
     route: dict[Path, list[tuple[str, tuple[str, str | None]]]] = {p: [] for p in files}
