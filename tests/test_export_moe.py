@@ -3,6 +3,7 @@ checkpoint names, bytes and scales kept, transformers as an independent reader, 
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -24,6 +25,7 @@ ROUND_TRIPS = [("qwen3_moe", "compressed-tensors", "channel", None), ("qwen3_moe
 EXPERT_NAMES = {"qwen3_moe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
                 "mixtral": ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
                             "block_sparse_moe.experts.{e}.w2")}
+ROUTER = {"qwen3_moe": "mlp.gate", "mixtral": "block_sparse_moe.gate"}
 SCALE_LEAF = {"compressed-tensors": "weight_scale", "fp8": "weight_scale_inv"}
 # Oracle rules (fp8_oracle) and group shapes per scheme, from SPEC §4.
 ORACLE = {"channel": ("row", 1, -1), "block": ("block", 128, 128), "tensor": ("tensor", -1, -1)}
@@ -77,6 +79,10 @@ def test_expert_files_have_the_family_names_and_the_oracle_bytes(sources, tmp_pa
     files, bf16 = file_tensors(out), file_tensors(sources[family])
     assert {k for k in files if ".weight_scale" not in k} == set(bf16)    # save_pretrained's own names
     config = model.config
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    routers = [f"model.layers.{n}.{ROUTER[family]}" for n in range(config.num_hidden_layers)]
+    assert all(f"{r}.weight" in bf16 for r in routers)
+    assert qc["ignore" if fmt == "compressed-tensors" else "modules_to_not_convert"] == ["lm_head", *routers]
     num = config.num_experts if family == "qwen3_moe" else config.num_local_experts
     rule, gr, gc = ORACLE[scheme]
     for layer in range(config.num_hidden_layers):
@@ -149,3 +155,15 @@ def test_moe_scheme_the_format_cannot_state_and_unloaded_experts(sources, tmp_pa
     with pytest.raises(ValueError, match="model.layers.1.mlp.experts has no weight yet"):
         save(model, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_quantize_writes_a_moe_checkpoint(sources, tmp_path):
+    from test_export import run_cli
+
+    proc = run_cli("quantize", str(sources["mixtral"]), "--scheme", "fp8_block", "--format", "fp8", "--out",
+                   str(tmp_path / "out"), "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    written, _ = fp8now.load(tmp_path / "out", device="cpu")
+    a, b = load(sources["mixtral"], "block").state_dict(), written.state_dict()
+    assert a.keys() == b.keys() and all(same_bytes(a[k], b[k]) for k in a)
+    assert "model.layers.1.block_sparse_moe.experts.3.w3.weight_scale_inv" in file_tensors(tmp_path / "out")

@@ -28,6 +28,13 @@ def to_checkpoint_names(model: nn.Module, tensors: list[tuple[str, torch.Tensor]
     return list(out.items())
 
 
+def checkpoint_module_names(model: nn.Module, names: list[str]) -> list[str]:
+    """Module names as the checkpoint spells them (for compressed-tensors' targets and ignore lists)."""
+    probes = {f"{name}.weight": torch.empty(0) for name in names}
+    back = {id(t): key for key, t in to_checkpoint_names(model, list(probes.items()), set(probes))}
+    return [back[id(t)].removesuffix(".weight") for t in probes.values()]
+
+
 def model_key(model: nn.Module) -> Callable[[str], str]:
     """checkpoint key -> the model's name for it, by transformers' renamings (no merging of experts)."""
     from transformers.conversion_mapping import get_model_conversion_mapping

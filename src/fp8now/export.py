@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .checkpoint import INDEX_NAME, SINGLE_NAME
-from .ckpt_names import to_checkpoint_names
+from .ckpt_names import checkpoint_module_names, to_checkpoint_names
 from .config import Fp8Config
 from .formats import SCALE_LEAF, check_expressible, check_format, quantization_config
 from .linear import Fp8Linear
@@ -65,23 +65,32 @@ def _experts_tensors(model: nn.Module, name: str, layer: Fp8Experts, fmt: str) -
 WRITERS: dict[type, Callable[[nn.Module, str, nn.Module, str], Tensors]] = {
     Fp8Linear: _linear_tensors, Fp8Experts: _experts_tensors}
 CHECKPOINT_NAMED = (Fp8Experts,)
+_ROUTERS = ("gate", "router")   # a MoE block's router, next to its experts: kept in high precision
 
 
 def _quantized(model: nn.Module) -> tuple[dict[tuple, list[str]], list[str]]:
-    """FP8 modules grouped by (scheme, activation kind), and the float linears left alone; experts are
-    listed by their checkpoint module names (one per expert and projection), as compressed-tensors targets."""
-    groups: dict[tuple, list[str]] = {}
+    """FP8 modules grouped by (scheme, activation kind), and the float linears and MoE routers left alone,
+    all under the checkpoint's module names (experts: one per expert and projection), as compressed-tensors'
+    targets and ignore list name them."""
+    dense: dict[tuple, list[str]] = {}
+    experts: dict[tuple, list[str]] = {}
     left: list[str] = []
     for name, module in model.named_modules():
         if isinstance(module, Fp8Linear):
-            groups.setdefault((module.scheme, module.act_kind), []).append(name)
+            dense.setdefault((module.scheme, module.act_kind), []).append(name)
         elif isinstance(module, Fp8Experts):
             if module.is_loaded:
-                names = sorted(expert_modules(model, name, module.num_experts).values())
-                groups.setdefault((module.scheme, module.act_kind), []).extend(names)
-        elif isinstance(module, nn.Linear):
+                names = expert_modules(model, name, module.num_experts).values()
+                experts.setdefault((module.scheme, module.act_kind), []).extend(sorted(names))
+            parent = name.rpartition(".")[0]
+            left += [f"{parent}.{r}" for r in _ROUTERS if isinstance(getattr(
+                model.get_submodule(parent), r, None), nn.Module) and f"{parent}.{r}" not in left]
+        elif isinstance(module, nn.Linear) and name not in left:
             left.append(name)
-    return groups, left
+    groups = {key: checkpoint_module_names(model, names) for key, names in dense.items()}
+    for key, names in experts.items():
+        groups.setdefault(key, []).extend(names)
+    return groups, checkpoint_module_names(model, left)
 
 
 def _named_tensors(model: nn.Module, fmt: str) -> list[tuple[str, torch.Tensor]]:
