@@ -64,3 +64,44 @@ def test_a_door_model_saves_with_fp8now_save(tiny_dirs, tmp_path):
     again, _ = fp8now.load(out, device="cpu")
     a, b = theirs.state_dict(), again.state_dict()
     assert a.keys() == b.keys() and all(same_bytes(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("family,scheme", [("qwen3_moe", "channel"), ("mixtral", "block"), ("gpt_oss", "tensor"),
+                                           ("llama4_text", "block")])
+def test_from_pretrained_quantizes_moe_experts_as_fp8now_load(tmp_path, family, scheme):
+    """Every layout of experts (per-expert files merged by transformers, fused, transposed, interleaved with
+    biases) arrives through transformers' loader and is quantized into Fp8Experts with fp8now.load's bytes.
+    transformers keeps GPT-OSS's norms in bf16 where fp8now.load keeps them float32: values compared."""
+    from moe_tiny import save_moe
+    from transformers import AutoModelForCausalLM
+
+    from fp8now import Fp8Experts
+
+    folder = save_moe(family, tmp_path, seed=8)
+    theirs = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.bfloat16, quantization_config=fp8now.TransformersConfig(scheme=scheme))
+    ours, report = fp8now.load(folder, Fp8Config(scheme=scheme), device="cpu")
+    experts = {n: m for n, m in theirs.named_modules() if isinstance(m, Fp8Experts)}
+    assert sorted(experts) == [row.name for row in report.experts] and len(experts) == 2
+    assert all(m.is_loaded and not hasattr(m, "gate_up_proj") for m in experts.values())
+    a, b = theirs.state_dict(), ours.state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        if a[key].dtype == torch.float8_e4m3fn or a[key].dtype == b[key].dtype:
+            assert same_bytes(a[key], b[key]), key
+        else:
+            assert torch.equal(a[key].float(), b[key].float()), key
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(theirs(ids).logits, ours(ids).logits)
+
+
+def test_a_door_moe_model_saves_with_fp8now_save(tmp_path):
+    from moe_tiny import save_moe
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(str(save_moe("mixtral", tmp_path, seed=9)), dtype=torch.bfloat16,
+                                                  quantization_config=fp8now.TransformersConfig(scheme="block"))
+    again, _ = fp8now.load(fp8now.save(theirs, tmp_path / "out", "fp8"), device="cpu")
+    a, b = theirs.state_dict(), again.state_dict()
+    assert a.keys() == b.keys() and all(same_bytes(a[k], b[k]) for k in a)

@@ -1,6 +1,8 @@
 """The from_pretrained door: `AutoModelForCausalLM.from_pretrained(path, quantization_config=
-fp8now.TransformersConfig(scheme="channel"))` returns the model with fp8now's `Fp8Linear`s, quantized
-while transformers streams the checkpoint, with the bytes `fp8now.load` gives.
+fp8now.TransformersConfig(scheme="channel"))` returns the model with fp8now's `Fp8Linear`s and `Fp8Experts`,
+quantized while transformers streams the checkpoint, with the bytes `fp8now.load` gives. Experts arrive as
+transformers' own fused params (it merges per-expert files itself); a layer is quantized when all of them
+arrived, by the same `load_` as fp8now.load.
 
 Registered through transformers' public `register_quantization_config` / `register_quantizer` when this
 module is imported, which `fp8now.TransformersConfig` does on first use (so `import fp8now` stays light).
@@ -19,9 +21,12 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .config import Fp8Config
-from .hf import swap_linears, target_linears
+from .hf import set_submodule, swap_linears, target_linears
+from .hf_moe import BIAS_LEAVES, FUSED_LEAVES, empty_fp8_experts, experts_layout, hf_to_fused, target_experts
 from .kernels import quantize_weight
 from .linear import Fp8Linear
+from .moe import Fp8Experts
+from .moe_load import hf_shapes
 
 METHOD = "fp8now"
 
@@ -48,7 +53,8 @@ class TransformersConfig(QuantizationConfigMixin):
 
 
 class _QuantizeOnLoad(ConversionOps):
-    """transformers' conversion op for one Fp8Linear weight: float weight in, FP8 weight and scale out."""
+    """transformers' conversion op for one Fp8Linear weight (float weight in, FP8 weight and scale out) or one
+    experts parameter (held until its layer's others arrived, then the layer is quantized by `load_`)."""
 
     def __init__(self, hf_quantizer: HfQuantizer) -> None:
         self.hf_quantizer = hf_quantizer
@@ -57,11 +63,29 @@ class _QuantizeOnLoad(ConversionOps):
         out = {}
         for key, value in input_dict.items():
             w = value[0] if isinstance(value, list) else value                  # [N, K]
-            prefix = key.rpartition(".")[0]
+            prefix, _, leaf = key.rpartition(".")
             layer = model.get_submodule(prefix)
+            if isinstance(layer, Fp8Experts):
+                out.update(self._experts(prefix, leaf, layer, w))
+                continue
             q, s = quantize_weight(w, layer.scheme, name=layer.name or None)
             out[key] = q
             out[f"{prefix}.weight_scale"] = s.reshape(layer.weight_scale.shape)
+        return out
+
+    def _experts(self, prefix: str, leaf: str, layer: Fp8Experts, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Hold `t`; once every transformers param of the layer arrived, quantize it as fp8now.load does.
+        The float placeholders get an empty tensor (dropped after loading), the FP8 params their values."""
+        held = self.hf_quantizer.held.setdefault(prefix, {})
+        held[leaf] = t
+        layout = self.hf_quantizer.layouts[prefix]
+        if set(held) != set(hf_shapes(layer, layout)):
+            return {f"{prefix}.{leaf}": t.new_empty(0)}
+        del self.hf_quantizer.held[prefix]
+        w13, w2, b13, b2 = hf_to_fused(layout, *(held.get(lf) for lf in (*FUSED_LEAVES, *BIAS_LEAVES)))
+        layer.load_(w13, w2, b13, b2)
+        out = {f"{prefix}.{lf}": t.new_empty(0) for lf in held}
+        out.update({f"{prefix}.{n}": p.data for n, p in layer.named_parameters() if n not in held})
         return out
 
 
@@ -85,6 +109,8 @@ class Fp8nowQuantizer(HfQuantizer):
             module = model.get_submodule(prefix)
         except AttributeError:
             return False
+        if isinstance(module, Fp8Experts):
+            return leaf in (*FUSED_LEAVES, *BIAS_LEAVES)
         return isinstance(module, Fp8Linear) and leaf == "weight"
 
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs) -> None:
@@ -93,6 +119,15 @@ class Fp8nowQuantizer(HfQuantizer):
         if not targets:
             raise ValueError(f"fp8now: nothing to quantize in {type(model).__name__}: all linear layers are "
                              "left alone; loosen TransformersConfig.ignore")
+        self.held, self.layouts = {}, {}
+        for name, module in target_experts(model, config)[0].items():
+            # float placeholders under transformers' names, so that its loader routes the experts here
+            layer = empty_fp8_experts(name, module, config, "meta")
+            self.layouts[name] = experts_layout(name, module)
+            for leaf, shape in hf_shapes(layer, self.layouts[name]).items():
+                layer.register_parameter(leaf, nn.Parameter(torch.empty(shape, dtype=module.gate_up_proj.dtype,
+                                                                        device="meta"), requires_grad=False))
+            set_submodule(model, name, layer)
         dtypes = {name: linear.weight.dtype for name, linear in targets.items()}
         for name, layer in swap_linears(model, targets, config, "meta").items():
             # The float weight arrives in the model's dtype; a float placeholder keeps transformers from
@@ -110,6 +145,12 @@ class Fp8nowQuantizer(HfQuantizer):
                     raise RuntimeError(f"fp8now: {name}.weight was not quantized while loading (it is "
                                        f"{module.weight.dtype}); its tensor is missing from the checkpoint")
                 module.pick_backend()
+            elif isinstance(module, Fp8Experts):
+                if not module.is_loaded:
+                    raise RuntimeError(f"fp8now: experts {name} were not quantized while loading; their tensors "
+                                       "are missing from the checkpoint")
+                for leaf in (*FUSED_LEAVES, *BIAS_LEAVES):
+                    module._parameters.pop(leaf, None)   # the emptied float placeholders
         model.requires_grad_(False)
         return model
 

@@ -18,10 +18,13 @@ import torch
 from torch import nn
 
 from .checkpoint import INDEX_NAME, SINGLE_NAME
+from .ckpt_names import checkpoint_module_names, to_checkpoint_names
 from .config import Fp8Config
 from .formats import SCALE_LEAF, check_expressible, check_format, quantization_config
 from .linear import Fp8Linear
 from .models import STAMP_FILE, chmod_files
+from .moe import Fp8Experts
+from .moe_files import expert_modules, expert_tensors
 
 MAX_SHARD_BYTES = 5 * 10**9
 # Files of a checkpoint folder that are weights, rewritten here or fp8now's own; everything else (tokenizer,
@@ -32,37 +35,69 @@ _REWRITTEN = ("config.json", INDEX_NAME, STAMP_FILE)   # STAMP_FILE: the embedde
 Tensors = Iterator[tuple[str, torch.Tensor]]
 
 
-def _linear_tensors(prefix: str, layer: Fp8Linear, fmt: str) -> Tensors:
+def _linear_tensors(model: nn.Module, name: str, layer: Fp8Linear, fmt: str) -> Tensors:
     """An Fp8Linear's on-disk tensors: FP8 weight, float32 scale under the format's name, bias."""
     scale = layer.weight_scale.detach()
     if scale.ndim == 0:
         scale = scale.reshape(1)   # compressed-tensors' per-tensor shape
-    yield prefix + "weight", layer.weight.detach()
-    yield prefix + SCALE_LEAF[fmt], scale.float()
+    yield f"{name}.weight", layer.weight.detach()
+    yield f"{name}.{SCALE_LEAF[fmt]}", scale.float()
     if layer.bias is not None:
-        yield prefix + "bias", layer.bias.detach()
+        yield f"{name}.bias", layer.bias.detach()
 
 
-# Module type -> its tensors on disk. MoE experts (issue 25) add their writer here: per expert under the
-# family's names (`experts.{e}.gate_proj.weight`, ...), with the (scheme, act) pairs from `_quantized`.
-WRITERS: dict[type, Callable[[str, nn.Module, str], Tensors]] = {Fp8Linear: _linear_tensors}
+def _experts_tensors(model: nn.Module, name: str, layer: Fp8Experts, fmt: str) -> Tensors:
+    """Fp8Experts' on-disk tensors: per expert and projection, FP8 weight and float32 scale under the
+    family's checkpoint names (moe_files), padding cropped."""
+    if layer.w13_bias is not None:
+        raise ValueError(f"{name}: experts with biases have no per-expert FP8 layout in fp8now yet; keep them "
+                         f"in high precision (Fp8Config.ignore=[..., {name!r}])")
+    modules = expert_modules(model, name, layer.num_experts)
+    for e in range(layer.num_experts):
+        for part, (q, s) in expert_tensors(layer, e).items():
+            yield f"{modules[e, part]}.weight", q.detach()
+            yield f"{modules[e, part]}.{SCALE_LEAF[fmt]}", s.detach().float()
+
+
+# Module type -> its tensors on disk, as (model, module name, module, format) -> (key, tensor)s, under the
+# model's names (renamed to the checkpoint's by ckpt_names) or, for the types in CHECKPOINT_NAMED, already
+# under the checkpoint's.
+WRITERS: dict[type, Callable[[nn.Module, str, nn.Module, str], Tensors]] = {
+    Fp8Linear: _linear_tensors, Fp8Experts: _experts_tensors}
+CHECKPOINT_NAMED = (Fp8Experts,)
+_ROUTERS = ("gate", "router")   # a MoE block's router, next to its experts: kept in high precision
 
 
 def _quantized(model: nn.Module) -> tuple[dict[tuple, list[str]], list[str]]:
-    """FP8 modules grouped by (scheme, activation kind), and the float linears left alone."""
-    groups: dict[tuple, list[str]] = {}
+    """FP8 modules grouped by (scheme, activation kind), and the float linears and MoE routers left alone,
+    all under the checkpoint's module names (experts: one per expert and projection), as compressed-tensors'
+    targets and ignore list name them."""
+    dense: dict[tuple, list[str]] = {}
+    experts: dict[tuple, list[str]] = {}
     left: list[str] = []
     for name, module in model.named_modules():
         if isinstance(module, Fp8Linear):
-            groups.setdefault((module.scheme, module.act_kind), []).append(name)
-        elif isinstance(module, nn.Linear):
+            dense.setdefault((module.scheme, module.act_kind), []).append(name)
+        elif isinstance(module, Fp8Experts):
+            if module.is_loaded:
+                names = expert_modules(model, name, module.num_experts).values()
+                experts.setdefault((module.scheme, module.act_kind), []).extend(sorted(names))
+            parent = name.rpartition(".")[0]
+            left += [f"{parent}.{r}" for r in _ROUTERS if isinstance(getattr(
+                model.get_submodule(parent), r, None), nn.Module) and f"{parent}.{r}" not in left]
+        elif isinstance(module, nn.Linear) and name not in left:
             left.append(name)
-    return groups, left
+    groups = {key: checkpoint_module_names(model, names) for key, names in dense.items()}
+    for key, names in experts.items():
+        groups.setdefault(key, []).extend(names)
+    return groups, checkpoint_module_names(model, left)
 
 
 def _named_tensors(model: nn.Module, fmt: str) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor to write, in module order; tied tensors once (first name); no data is copied."""
+    """Every tensor to write under the checkpoint's names; tied tensors once (first name); no data is copied."""
     out: list[tuple[str, torch.Tensor]] = []
+    ready: list[tuple[str, torch.Tensor]] = []   # already under the checkpoint's names
+    exact: set[str] = set()                      # FP8 layers' tensors: renamed at most, never converted
     seen: set[int] = set()
     skip: tuple[str, ...] = ()
     for name, module in model.named_modules():
@@ -71,10 +106,16 @@ def _named_tensors(model: nn.Module, fmt: str) -> list[tuple[str, torch.Tensor]]
         prefix = f"{name}." if name else ""
         writer = WRITERS.get(type(module))
         if writer is not None:
-            written = list(writer(prefix, module, fmt))
+            if isinstance(module, Fp8Experts) and not module.is_loaded:
+                raise ValueError(f"{name} has no weight yet (meta device): load the model fully before saving")
+            written = list(writer(model, name, module, fmt))
             if any(t.is_meta for _, t in written):
                 raise ValueError(f"{name} has no weight yet (meta device): load the model fully before saving")
-            out += written
+            if isinstance(module, CHECKPOINT_NAMED):
+                ready += written
+            else:
+                out += written
+                exact.update(key for key, _ in written)
             skip = (prefix,)
             continue
         own = [(leaf, p) for leaf, p in module._parameters.items() if p is not None]
@@ -85,11 +126,11 @@ def _named_tensors(model: nn.Module, fmt: str) -> list[tuple[str, torch.Tensor]]
                 raise ValueError(f"{prefix}{leaf} is on the meta device: load the model fully before saving")
             if t.dtype.itemsize == 1 and t.is_floating_point():
                 raise ValueError(f"{type(module).__name__} {name} holds FP8 tensor {leaf!r} and fp8now has no "
-                                 "writer for it yet (MoE experts: issue 25); it cannot be exported")
+                                 "writer for it; it cannot be exported")
             if id(t) not in seen:
                 seen.add(id(t))
                 out.append((prefix + leaf, t.detach()))
-    return out
+    return to_checkpoint_names(model, out, exact) + ready
 
 
 def _shards(tensors: list[tuple[str, torch.Tensor]], max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:

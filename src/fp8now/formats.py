@@ -11,6 +11,8 @@ per-tensor files (`weight_block_size: null`) are read, not written: transformers
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 
 from .config import Scheme
@@ -138,3 +140,26 @@ def read_quantization_config(raw: dict, where: str) -> Prequantized:
                             tuple(raw.get("ignore") or ()))
     raise ValueError(f"{where}: quant_method {method!r} is not one fp8now reads; it loads bf16/fp16/fp32 "
                      f"checkpoints and the FP8 formats {', '.join(FORMATS)}")
+
+
+def scheme_of(scale_shape: tuple[int, ...], n: int, k: int, prefer_block: bool) -> Scheme | None:
+    """The weight scheme a scale of `scale_shape` means for an [n, k] weight (None: no scheme fits)."""
+    block = (math.ceil(n / 128), math.ceil(k / 128))
+    if prefer_block and scale_shape == block:
+        return Scheme.BLOCK
+    if math.prod(scale_shape) == 1 and len(scale_shape) <= 2:
+        return Scheme.TENSOR
+    if scale_shape in ((n, 1), (n,)):
+        return Scheme.CHANNEL
+    return Scheme.BLOCK if scale_shape == block else None
+
+
+def act_of(name: str, info: Prequantized) -> str:
+    """The activation kind the config gives layer `name` (exact name, `re:` target, then `Linear`)."""
+    acts = info.act_by_target
+    if name in acts:
+        return acts[name]
+    for target, act in acts.items():
+        if target.startswith("re:") and re.fullmatch(target[3:], name):
+            return act
+    return acts.get("Linear", "token")

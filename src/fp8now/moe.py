@@ -143,6 +143,17 @@ class Fp8Experts(nn.Module):
                     old.data.copy_(b)
         self.backend = "reference"
 
+    def install_(self, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor) -> None:
+        """Take already quantized tensors in the stored layout (`w13 [E, 2Ip, Hp]` FP8, float32 scales), as
+        they are: a pre-quantized checkpoint's bytes; nothing is quantized."""
+        for leaf, t in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
+            old = getattr(self, leaf)
+            if t.shape != old.shape or t.dtype != old.dtype:
+                raise ValueError(f"{self.name}.{leaf}: got {t.dtype} {tuple(t.shape)}, the layer stores "
+                                 f"{old.dtype} {tuple(old.shape)}")
+            setattr(self, leaf, nn.Parameter(t, requires_grad=False))
+        self.backend = "reference"
+
     def expert_weight(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Expert e's stored (w13 [2Ip, Hp], w13_scale, w2 [Hp, Ip], w2_scale)."""
         return self.w13[e], self.w13_scale[e], self.w2[e], self.w2_scale[e]

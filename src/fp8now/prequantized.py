@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 
 import torch
@@ -20,9 +19,13 @@ from torch import nn
 from .checkpoint import checkpoint_files, scan_headers
 from .config import Fp8Config, Scheme
 from .finite import FiniteCheck
-from .formats import SCALE_LEAF, Prequantized, read_quantization_config
-from .hf import build_skeleton, model_slots, resolve_name, set_submodule
+from .ckpt_names import find_key, model_key
+from .formats import SCALE_LEAF, Prequantized, act_of, read_quantization_config, scheme_of
+from .hf import build_skeleton, keep_fp32_names, model_slots, resolve_name, set_submodule
+from .hf_moe import add_experts
 from .linear import Fp8Linear
+from .moe import Fp8Experts
+from .prequantized_moe import PrequantizedExperts
 from .report import LayerRow, plan_names
 
 _FP8_ST = "F8_E4M3"
@@ -44,29 +47,6 @@ def prequantized_config(model_dir: Path) -> dict | None:
     return qc if isinstance(qc, dict) and qc else None
 
 
-def _scheme_of(scale_shape: tuple[int, ...], n: int, k: int, prefer_block: bool) -> Scheme | None:
-    """The weight scheme a scale of `scale_shape` means for an [n, k] weight (None: no scheme fits)."""
-    block = (math.ceil(n / 128), math.ceil(k / 128))
-    if prefer_block and scale_shape == block:
-        return Scheme.BLOCK
-    if math.prod(scale_shape) == 1 and len(scale_shape) <= 2:
-        return Scheme.TENSOR
-    if scale_shape in ((n, 1), (n,)):
-        return Scheme.CHANNEL
-    return Scheme.BLOCK if scale_shape == block else None
-
-
-def _act_of(name: str, info: Prequantized) -> str:
-    """The activation kind the config gives layer `name` (exact name, `re:` target, then `Linear`)."""
-    acts = info.act_by_target
-    if name in acts:
-        return acts[name]
-    for target, act in acts.items():
-        if target.startswith("re:") and re.fullmatch(target[3:], name):
-            return act
-    return acts.get("Linear", "token")
-
-
 def _plan_layers(model: nn.Module, headers: dict[str, tuple[Path, tuple, str]], info: Prequantized,
                  config: Fp8Config, prefix: str, left: list[tuple[str, str]]
                  ) -> dict[str, tuple[Fp8Linear, dict[str, str]]]:
@@ -76,7 +56,7 @@ def _plan_layers(model: nn.Module, headers: dict[str, tuple[Path, tuple, str]], 
     for name, linear in list(model.named_modules()):
         if not isinstance(linear, nn.Linear):
             continue
-        found = {leaf: _key_for(f"{name}.{leaf}", headers, prefix)
+        found = {leaf: find_key(f"{name}.{leaf}", headers, prefix)
                  for leaf in ("weight", "bias", "input_scale", *_SCALE_LEAVES)}
         wkey = found["weight"]
         if wkey is None or headers[wkey][2] != _FP8_ST:
@@ -92,8 +72,8 @@ def _plan_layers(model: nn.Module, headers: dict[str, tuple[Path, tuple, str]], 
         n, k = linear.out_features, linear.in_features
         if tuple(wshape) != (n, k):
             raise ValueError(f"{path}: {wkey!r} has shape {tuple(wshape)}, the model expects {(n, k)}")
-        act = _act_of(name, info)
-        scheme = _scheme_of(tuple(headers[skey][1]), n, k, act == "group")
+        act = act_of(name, info)
+        scheme = scheme_of(tuple(headers[skey][1]), n, k, act == "group")
         if scheme is None:
             raise ValueError(f"{headers[skey][0]}: scale {skey!r} of shape {tuple(headers[skey][1])} fits no "
                              f"scheme for a [{n}, {k}] weight ([1], [{n}, 1] or [{math.ceil(n / 128)}, "
@@ -116,22 +96,7 @@ def _plan_layers(model: nn.Module, headers: dict[str, tuple[Path, tuple, str]], 
         if found["input_scale"] is not None:
             parts["input_scale"] = found["input_scale"]
         plans[name] = (layer, parts)
-    if not plans:
-        raise ValueError(f"{_folder(headers)}: config.json declares {info.fmt} FP8 but no linear weight is "
-                         "F8_E4M3 in the files; the checkpoint does not match its config.json")
     return plans
-
-
-def _folder(headers: dict[str, tuple[Path, tuple, str]]) -> Path:
-    return next(iter(headers.values()))[0].parent
-
-
-def _key_for(name: str, keys: dict, prefix: str) -> str | None:
-    """The checkpoint key of model tensor `name`, allowing a missing or extra base-model prefix."""
-    for cand in (name, name.removeprefix(prefix + ".") if prefix else name, f"{prefix}.{name}"):
-        if cand in keys:
-            return cand
-    return None
 
 
 def _install(layer: Fp8Linear, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
@@ -158,27 +123,40 @@ def load_prequantized(model_dir: Path, raw: dict, config: Fp8Config | None, devi
     info = read_quantization_config(raw, str(model_dir / "config.json"))
     model = build_skeleton(model_dir, dtype)
     files = checkpoint_files(model_dir)
-    headers = {key: (path, shape, st) for path in files for key, shape, st in scan_headers(path)}
+    rename = model_key(model)
+    headers, file_key = {}, {}   # model-side key -> (file, shape, dtype) / -> the key in the file
+    for path in files:
+        for key, shape, st in scan_headers(path):
+            headers[rename(key)], file_key[rename(key)] = (path, shape, st), key
     prefix = getattr(model, "base_model_prefix", "") or ""
     ignored: list[tuple[str, str]] = []
+    experts = PrequantizedExperts(model, headers, info, config, prefix, rename, ignored)
     plans = _plan_layers(model, headers, info, config, prefix, ignored)
+    if not plans and not experts.layers:
+        raise ValueError(f"{model_dir}: config.json declares {info.fmt} FP8 but no linear or experts weight is "
+                         "F8_E4M3 in the files; the checkpoint does not match its config.json")
     slots, alias_of, computed = model_slots(model)
+    for name in [n for n, s in slots.items() if isinstance(s.owner, Fp8Experts)]:
+        del slots[name]   # filled from the per-expert tensors (experts.key_of)
+    for name in keep_fp32_names(model, slots):
+        slots[name].keep_fp32 = slots[name].kind == "param"   # as the float loader keeps them
     fp8_keys = {key: (name, part) for name, (_, parts) in plans.items() for part, key in parts.items()}
     known = set(slots) | set(alias_of) | computed
-    route: dict[Path, list[tuple[str, str | None]]] = {p: [] for p in files}
+    route: dict[Path, list[tuple[str, tuple[str, str | None]]]] = {p: [] for p in files}
     skipped, unexpected, done = [], [], set()
     for key, (path, shape, st) in headers.items():
-        if key in fp8_keys:
-            route[path].append((key, None))
+        if key in fp8_keys or key in experts.key_of:
+            route[path].append((file_key[key], (key, None)))
             continue
         name = resolve_name(key, known, prefix)
         if name is None:
-            unexpected.append(f"{key!r} in {path.name}")
+            unexpected.append(f"{file_key[key]!r} in {path.name}")
         elif name in computed or name in alias_of:
-            skipped.append((key, "computed by the model" if name in computed else f"tied to {alias_of[name]}"))
+            skipped.append((file_key[key], "computed by the model" if name in computed
+                            else f"tied to {alias_of[name]}"))
         elif slots[name].kind != "fp8":
-            _check_header(slots[name], key, path, shape, st)
-            route[path].append((key, name))
+            _check_header(slots[name], file_key[key], path, shape, st)
+            route[path].append((file_key[key], (key, name)))
             done.add(name)
     if unexpected:
         raise ValueError(f"{model_dir}: {len(unexpected)} tensor(s) the model does not define, e.g. "
@@ -194,14 +172,18 @@ def load_prequantized(model_dir: Path, raw: dict, config: Fp8Config | None, devi
         if not entries:
             continue
         names = dict(entries)
-        for key, t in _read(path, list(names)):
-            name = names[key]
+        for fkey, t in _read(path, list(names)):
+            key, name = names[fkey]
             if name is not None:
-                finite.add(_materialize(slots[name], t, device, dtype), f"{path}: tensor {key!r}")
+                finite.add(_materialize(slots[name], t, device, dtype), f"{path}: tensor {fkey!r}")
+                continue
+            if key in experts.key_of:
+                if experts.add(key, t, path, device) is not None:
+                    skipped.append((fkey, _STATIC_WHY))
                 continue
             lname, part = fp8_keys[key]
             if part == "input_scale":
-                skipped.append((key, _STATIC_WHY))
+                skipped.append((fkey, _STATIC_WHY))
                 continue
             layer, parts = plans[lname]
             got = pending.setdefault(lname, {})
@@ -212,10 +194,13 @@ def load_prequantized(model_dir: Path, raw: dict, config: Fp8Config | None, devi
                                      layer.in_features, layer.bias is not None, None, None,
                                      plan=plan_names(layer)))
     finite.raise_if_bad()
+    if experts.unfinished():   # cannot happen after the header checks; a guard against partial loads
+        raise RuntimeError(f"experts left incomplete after reading every file: {', '.join(experts.unfinished())}")
     _finish(model, device, str(model_dir))
-    first = next(iter(plans.values()))[0]
+    first = next(iter(plans.values()))[0] if plans else next(iter(experts.layers.values()))[0]
     report = build_report(model, rows, ignored, f"{model_dir} ({info.fmt}, pre-quantized)", device, dtype,
-                     Fp8Config(scheme=first.scheme, activation=first.act_kind))
+                          Fp8Config(scheme=first.scheme, activation=first.act_kind))
+    add_experts(report, model, experts.rows)
     report.skipped_tensors = skipped
     report.files = [p.name for p in files]
     return model, report
