@@ -159,6 +159,54 @@ PLANNERS: Mapping[str, Callable[..., Path]] = MappingProxyType({
 })
 
 
+@dataclass(frozen=True)
+class MoeTable:
+    """Launch configs of the grouped MoE GEMMs: rows (mean routed rows per expert up to, BLOCK_M,
+    BLOCK_N, num_warps, num_stages), the last row open-ended (None); `invariant`: the one config of
+    batch-invariant mode, the same for every T (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+
+    rows: tuple[tuple[int | None, int, int, int, int], ...] = (
+        (16, 16, 64, 4, 4), (64, 32, 128, 4, 4), (256, 64, 128, 4, 4), (None, 128, 128, 8, 4))
+    invariant: tuple[int, int, int, int] = (64, 64, 4, 4)
+
+
+MOE_TABLES: Mapping[str, MoeTable] = MappingProxyType({"cuda-fp8": MoeTable(), "cpu": MoeTable()})
+
+
+@dataclass(frozen=True)
+class MoePath:
+    """What one experts call runs: routed rows sorted by expert in runs of `block_m`, the two grouped
+    GEMMs on `block_m x block_n` tiles (K in 128-steps), one config for every T if `invariant`."""
+
+    scheme: Scheme
+    act: str
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    invariant: bool = False
+
+    @property
+    def name(self) -> str:
+        """E.g. "triton-token + triton-moe (BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)"."""
+        notes = f"BLOCK_M={self.block_m}, BLOCK_N={self.block_n}, num_warps={self.num_warps}, " \
+                f"num_stages={self.num_stages}" + ", batch-invariant" * self.invariant
+        return f"triton-{self.act} + triton-moe ({notes})"
+
+
+def moe_plan(scheme: Scheme, tokens: int, top_k: int, experts: int, device_class: str = "cuda-fp8",
+             batch_invariant: bool = False, table: MoeTable | None = None) -> MoePath:
+    """The grouped-GEMM path of one experts call on `tokens` tokens routed to `top_k` of `experts`."""
+    scheme = Scheme.parse(scheme)
+    table = table or MOE_TABLES.get(device_class, MoeTable())
+    act = "group" if scheme is Scheme.BLOCK else "token"
+    if batch_invariant:
+        return MoePath(scheme, act, *table.invariant, invariant=True)
+    per_expert = tokens * top_k / max(experts, 1)
+    bound, *config = next(r for r in table.rows if r[0] is None or per_expert <= r[0])
+    return MoePath(scheme, act, *config)
+
+
 def plan(backend: str, scheme: Scheme, act: str, m: int, n: int, k: int, device_class: str,
          batch_invariant: bool = False, compiling: bool = False, table: Table | None = None) -> Path:
     """The path of one call of `backend` on x [M, K] and a weight [N, K] (`compiling`: under torch.compile);

@@ -1,0 +1,58 @@
+"""The `triton` experts backend of `Fp8Experts`: its tensors and activation handed to
+`kernels.triton_moe.experts_forward` along the plan of the call (`kernels.plan.moe_plan`).
+
+The Llama4 layout (`dense_input`: x [E*T, H], expert e owning rows e*T..(e+1)*T, all-zero rows not
+routed) runs the same kernels as T' = E*T tokens with top-1 routing to their row's expert and a routing
+weight of 1 for non-zero rows, 0 for zero rows, so every row is computed (as transformers does) and the
+rows nobody routed come out exactly zero. No host sync, so the call captures in a CUDA graph; the expert
+ids are not range-checked here (that would sync): an id outside [0, E) stops the device with an
+index assertion.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .kernels import device_class
+from .kernels.plan import MoePath, moe_plan
+from .kernels.triton_moe import ExpertWeights, Gate, experts_forward, gate_of
+
+if TYPE_CHECKING:
+    from .moe import Fp8Experts
+
+
+def expert_weights(experts: Fp8Experts) -> ExpertWeights:
+    """The layer's stored FP8 tensors, scales and biases."""
+    return ExpertWeights(experts.w13, experts.w13_scale, experts.w2, experts.w2_scale,
+                         experts.w13_bias, experts.w2_bias)
+
+
+def expert_gate(experts: Fp8Experts) -> Gate:
+    gate = gate_of(experts.gate_kind, experts.act_fn, experts.alpha, experts.limit)
+    if isinstance(gate, str):   # load_ picked this backend, so this is a module changed after loading
+        raise RuntimeError(f"{experts.name or 'experts'}: {gate}")
+    return gate
+
+
+def path_of(experts: Fp8Experts, tokens: int, top_k: int, device: torch.device) -> MoePath:
+    """The plan of one call on `tokens` tokens routed to `top_k` experts each."""
+    return moe_plan(experts.scheme, tokens, top_k, experts.num_experts, device_class(device),
+                    experts.batch_invariant)
+
+
+def triton_forward(experts: Fp8Experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None,
+                   top_k_weights: torch.Tensor | None) -> torch.Tensor:
+    """`Fp8Experts.forward` on the triton backend (same arguments, same result layout)."""
+    x = hidden_states.reshape(-1, experts.hidden_size)
+    if experts.dense_input:
+        e = experts.num_experts
+        rows = x.shape[0]
+        top_k_index = (torch.arange(rows, device=x.device) // max(rows // e, 1))[:, None]                # [E*T, 1]
+        top_k_weights = x.ne(0).any(dim=-1, keepdim=True).float()                                  # [E*T, 1]
+    elif top_k_index is None or top_k_weights is None:
+        raise ValueError(f"{experts.name or 'Fp8Experts'}: forward needs top_k_index and top_k_weights")
+    path = path_of(experts, x.shape[0], top_k_index.shape[1], x.device)
+    y = experts_forward(x, top_k_index, top_k_weights, expert_weights(experts), expert_gate(experts), path)
+    return y.reshape(hidden_states.shape)
