@@ -49,7 +49,7 @@ def compile_one(name, kernel, pointers, consts, options, cap=90, scalars=None):
         wait = ptx.find("griddepcontrol.wait")
         row.update(ok=True, gdc_wait=wait >= 0, load_before_wait=wait > ptx.find("ld.global") >= 0,
                    gdc_launch="griddepcontrol.launch_dependents" in ptx,
-                   mma="wgmma" in ptx or "mma.sync" in ptx, wgmma="wgmma" in ptx)
+                   mma="wgmma" in ptx or "mma.sync" in ptx, wgmma="wgmma" in ptx, fma="fma.rn.f32" in ptx)
     except Exception as e:  # report, do not stop: the test lists every failure
         row.update(ok=False, error=f"{type(e).__name__}: {e}"[:500])
     print(json.dumps(row), flush=True)
@@ -144,6 +144,9 @@ def moe():
         compile_one(f"moe_gate_group gate={gate}", ta._gated_group_kernel, q,
                     dict(GATE=gate, FMAX=E4M3FN.fmax, FLOOR=GROUP_AMAX_FLOOR, GROUPS=8, GROUP_K=128),
                     dict(num_warps=4), scalars=fl)
+    for fusion in (False, True):   # the combine must keep its products and sums apart (no FMA)
+        compile_one(f"moe_combine fp_fusion={fusion}", tm._combine_kernel, dict(y_ptr=BF16, w_ptr=F32, out_ptr=BF16),
+                    dict(TOP_K=8, BLOCK_H=1024), dict(num_warps=4, enable_fp_fusion=fusion))
 
 
 if __name__ == "__main__":

@@ -163,6 +163,17 @@ def test_layer_matches_the_exact_oracle(scheme, gate, bias, t, k, e, h, i):
     assert worst < 1e-4
 
 
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+def test_fp16_activations(scheme):
+    """fp16 rounding points (the gate's ops, the GEMM outputs) as the reference's fp16 torch ops."""
+    m = experts(scheme, 4, 128, 128, seed=11)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(12)).half().to(DEV)
+    idx, wts = routing_of(5, 2, 4, seed=13), torch.rand(5, 2, generator=torch.Generator().manual_seed(14)).to(DEV)
+    y = m(x, idx, wts)
+    assert y.dtype == torch.float16
+    assert nu.rel_diff(y.cpu().float(), oracle(m, x, idx, wts).float()) < 1e-4
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_batch_invariance(scheme):
     """A token's output is bit-identical alone, among 3 and among 64 tokens (one plan for every T)."""

@@ -1,6 +1,7 @@
 """The Triton FP8 MoE path: routed slots sorted by expert (`moe_align`), a grouped FP8 GEMM for `w13`, the
 gated activation fused with its quantization (`triton_moe_act`), a grouped FP8 GEMM for `w2`, and the
-weighted combine in a fixed per-token order (SPEC §8).
+weighted combine in a fixed per-token order (SPEC §8), with the float32 arithmetic of the reference
+path's torch ops.
 
 Launches only, no host sync: sizes come from T, k and E, never from the routing, so the whole forward
 captures in a CUDA graph. Blocks of experts that received no tokens exit at once.
@@ -144,6 +145,35 @@ def moe_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.T
     return y
 
 
+@triton.jit
+def _combine_kernel(y_ptr, w_ptr, out_ptr, H, stride_ym, stride_wt, stride_ot,
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum_j w[t, j] * y[t * k + j] in float32, j ascending: each product rounded to float32,
+    then added in that fixed order (compiled without FMA contraction, like the torch ops it replaces)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        w = tl.load(w_ptr + t * stride_wt + j).to(tl.float32)
+        p = tl.load(y_ptr + (t * TOP_K + j) * stride_ym + cols, mask=mask, other=0.0).to(tl.float32) * w
+        acc = p if j == 0 else acc + p
+    tl.store(out_ptr + t * stride_ot + cols, round_as(acc, out_ptr).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def combine(y: torch.Tensor, top_k_weights: torch.Tensor, h: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """`y [T*k, Hp]` (row t*k + j: token t's j-th expert) weighted by `top_k_weights [T, k]` -> `[T, h]`."""
+    t, k = top_k_weights.shape
+    w = top_k_weights if top_k_weights.stride(1) == 1 else top_k_weights.contiguous()
+    out = torch.empty((t, h), dtype=out_dtype, device=y.device)
+    if t == 0 or h == 0:
+        return out
+    block = min(1024, max(16, 1 << (h - 1).bit_length()))
+    _combine_kernel[(t, cdiv(h, block))](y, w, out, h, y.stride(0), w.stride(0), out.stride(0),
+                                         TOP_K=k, BLOCK_H=block, num_warps=4, enable_fp_fusion=False)
+    return out
+
+
 def experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                     weights: ExpertWeights, gate: Gate, path: MoePath) -> torch.Tensor:
     """`x [T, H]` routed by `top_k_index [T, k]` with `top_k_weights [T, k]` -> `[T, H]` in x.dtype."""
@@ -158,9 +188,5 @@ def experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
     hid = moe_gemm(x_q, x_s, weights.w13, weights.w13_scale, weights.w13_bias, routing, t * k, k, x.dtype, path)
     a_q, a_s = gated_quant(hid, gate.kind, path.act, gate.alpha, gate.limit)
     y = moe_gemm(a_q, a_s, weights.w2, weights.w2_scale, weights.w2_bias, routing, t * k, 1, x.dtype, path)
-    weighted = y.view(t, k, hp)[..., :h].float() * top_k_weights.float().unsqueeze(-1)
-    acc = weighted[:, 0]
-    for j in range(1, k):   # a fixed order per token: batch-invariant
-        acc = acc + weighted[:, j]
-    return acc.to(x.dtype)
+    return combine(y, top_k_weights, h, x.dtype)   # a fixed order per token: batch-invariant
 
