@@ -49,7 +49,7 @@ def compile_one(name, kernel, pointers, consts, options, cap=90, scalars=None):
         wait = ptx.find("griddepcontrol.wait")
         row.update(ok=True, gdc_wait=wait >= 0, load_before_wait=wait > ptx.find("ld.global") >= 0,
                    gdc_launch="griddepcontrol.launch_dependents" in ptx,
-                   mma="wgmma" in ptx or "mma.sync" in ptx, wgmma="wgmma" in ptx, fma="fma.rn.f32" in ptx)
+                   mma="wgmma" in ptx or "mma.sync" in ptx, wgmma="wgmma" in ptx)
     except Exception as e:  # report, do not stop: the test lists every failure
         row.update(ok=False, error=f"{type(e).__name__}: {e}"[:500])
     print(json.dumps(row), flush=True)
@@ -136,17 +136,16 @@ def moe():
                         dict(GROUP_SCALES=group, HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128),
                         dict(num_warps=warps, num_stages=stages), scalars=dict(one="fp32"))
     q = dict(h_ptr=BF16, q_ptr=FP8, s_ptr=F32)
-    for gate in ta.GATE_CODES.values():
-        fl = dict(alpha="fp32", limit="fp32")
-        compile_one(f"moe_gate_token gate={gate}", ta._gated_token_kernel, q,
+    for gate, fl in [(code, dict(alpha="fp32", limit="fp32")) for code in ta.GATE_CODES.values()] + [
+            (ta.GATE_CODES["clamped_swiglu"], dict(alpha="fp64", limit="fp64"))]:   # torch.compile's floats
+        compile_one(f"moe_gate_token gate={gate} {fl['alpha']}", ta._gated_token_kernel, q,
                     dict(GATE=gate, FMAX=E4M3FN.fmax, FLOOR=E4M3FN.min_scale, BLOCK=2048), dict(num_warps=8),
                     scalars=fl)
-        compile_one(f"moe_gate_group gate={gate}", ta._gated_group_kernel, q,
+        compile_one(f"moe_gate_group gate={gate} {fl['alpha']}", ta._gated_group_kernel, q,
                     dict(GATE=gate, FMAX=E4M3FN.fmax, FLOOR=GROUP_AMAX_FLOOR, GROUPS=8, GROUP_K=128),
                     dict(num_warps=4), scalars=fl)
-    for fusion in (False, True):   # the combine must keep its products and sums apart (no FMA)
-        compile_one(f"moe_combine fp_fusion={fusion}", tm._combine_kernel, dict(y_ptr=BF16, w_ptr=F32, out_ptr=BF16),
-                    dict(TOP_K=8, BLOCK_H=1024), dict(num_warps=4, enable_fp_fusion=fusion))
+    compile_one("moe_combine", tm._combine_kernel, dict(y_ptr=BF16, w_ptr=F32, out_ptr=BF16),
+                dict(TOP_K=8, BLOCK_H=1024), dict(num_warps=4))
 
 
 if __name__ == "__main__":

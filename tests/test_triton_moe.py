@@ -18,6 +18,7 @@ from fp8now.kernels.moe_align import align, max_blocks  # noqa: E402
 from fp8now.kernels.triton_moe import available, moe_gemm  # noqa: E402
 from fp8now.kernels.triton_moe_act import gated_quant  # noqa: E402
 from fp8now.moe import Fp8Experts  # noqa: E402
+from fp8now.moe_triton import pack, unpack  # noqa: E402
 from fp8_oracle import exact_product  # noqa: E402
 from test_triton_quant import assert_fp8_equal, precast  # noqa: E402
 
@@ -212,6 +213,18 @@ def test_backend_choice_and_refusals():
         gelu.load_(torch.randn(4, 256, 128).to(DEV), torch.randn(4, 128, 128).to(DEV))
     with pytest.raises(ValueError, match="valid for experts: auto, triton, reference"):
         Fp8Experts(4, 128, 128, Fp8Config(backend="torch"), act_fn=torch.nn.SiLU())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_graph_packing_round_trips(dtype, k):
+    """The graphed call's single input carries x, the ids and the weights bit for bit."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(5, 128, generator=g).to(dtype)
+    idx, wts = torch.randint(0, 1000, (5, k), generator=g, dtype=torch.int32), torch.rand(5, k, generator=g)
+    x2, idx2, wts2 = unpack(pack(x, idx, wts), 128, k)
+    assert torch.equal(x2, x) and idx2.dtype == torch.int64 and torch.equal(idx2, idx.long())
+    assert torch.equal(wts2.view(torch.int32), wts.view(torch.int32))
 
 
 def test_plan_is_a_pure_table_lookup():

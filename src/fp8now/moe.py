@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .config import Fp8Config, Scheme
+from .decode_graphs import DecodeGraphs
 from .kernels import device_class, quantize_weight
 from .kernels.reference import exact_matmul
 from .linear import check_float_weight, weight_scale_shape
@@ -91,6 +92,7 @@ class Fp8Experts(nn.Module):
         self.dense_input = dense_input
         self.name = name
         self.forced_backend, self.batch_invariant = config.backend, config.batch_invariant
+        self.graphs = DecodeGraphs() if config.decode_graphs else None   # triton: small-T calls replayed
         self.backend: str | None = None
         pad = 128 if self.scheme is Scheme.BLOCK else 1
         self.h_pad, self.i_pad = _round_up(hidden_size, pad), _round_up(intermediate_size, pad)

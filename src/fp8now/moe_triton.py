@@ -7,6 +7,12 @@ weight of 1 for non-zero rows, 0 for zero rows, so every row is computed (as tra
 rows nobody routed come out exactly zero. No host sync, so the call captures in a CUDA graph; the expert
 ids are not range-checked here (that would sync): an id outside [0, E) stops the device with an
 index assertion.
+
+Eager calls of up to `decode_graphs.MAX_M` tokens on CUDA replay per-layer CUDA graphs
+(`Fp8Config.decode_graphs`), as `Fp8Linear` does and for the same reason: a small call is a few dozen
+launches of host time against microseconds of GPU work. `DecodeGraphs` stages one input tensor, so x,
+the expert ids and the routing weights travel packed into one row of the activation dtype (their
+bytes, reinterpreted; the graph unpacks them), and the replay is bit-identical to the plain call.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import decode_graphs
 from .kernels import device_class
 from .kernels.plan import MoePath, moe_plan
 from .kernels.triton_moe import ExpertWeights, Gate, experts_forward, gate_of
@@ -53,6 +60,39 @@ def triton_forward(experts: Fp8Experts, hidden_states: torch.Tensor, top_k_index
         top_k_weights = x.ne(0).any(dim=-1, keepdim=True).float()                                  # [E*T, 1]
     elif top_k_index is None or top_k_weights is None:
         raise ValueError(f"{experts.name or 'Fp8Experts'}: forward needs top_k_index and top_k_weights")
-    path = path_of(experts, x.shape[0], top_k_index.shape[1], x.device)
-    y = experts_forward(x, top_k_index, top_k_weights, expert_weights(experts), expert_gate(experts), path)
+    t, k = top_k_index.shape
+    call = _call(experts, x.shape[1], k, x.device)
+    if experts.graphs is not None and x.is_cuda and 0 < t <= decode_graphs.MAX_M and decode_graphs.usable(x):
+        y = experts.graphs.run(pack(x, top_k_index, top_k_weights), call, x.shape[1], _addresses(experts))
+    else:
+        y = experts_forward(x, top_k_index, top_k_weights, expert_weights(experts), expert_gate(experts),
+                            path_of(experts, t, k, x.device))
     return y.reshape(hidden_states.shape)
+
+
+def pack(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """x [T, H], ids [T, k], weights [T, k] -> one [T, H + ids + weights] tensor of x.dtype holding the
+    bytes of x, the ids as int64 and the weights as float32."""
+    return torch.cat([x, top_k_index.long().contiguous().view(x.dtype),
+                      top_k_weights.float().contiguous().view(x.dtype)], dim=1)
+
+
+def unpack(packed: torch.Tensor, h: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `pack`: (x [T, H] (a view), ids [T, k] int64, weights [T, k] float32)."""
+    ids_end = h + 8 * k // packed.element_size()
+    return (packed[:, :h], packed[:, h:ids_end].contiguous().view(torch.int64),
+            packed[:, ids_end:].contiguous().view(torch.float32))
+
+
+def _call(experts: Fp8Experts, h: int, k: int, device: torch.device):
+    """The graphed call: `pack`ed rows -> [T, H]."""
+    def call(packed: torch.Tensor) -> torch.Tensor:
+        x, idx, wts = unpack(packed, h, k)
+        return experts_forward(x, idx, wts, expert_weights(experts), expert_gate(experts),
+                               path_of(experts, packed.shape[0], k, device))
+    return call
+
+
+def _addresses(experts: Fp8Experts) -> tuple[int, ...]:
+    """Where the tensors a captured call reads live (a graph is valid while these stay)."""
+    return tuple(0 if t is None else t.data_ptr() for t in expert_weights(experts))

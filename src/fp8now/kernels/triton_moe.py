@@ -1,7 +1,6 @@
 """The Triton FP8 MoE path: routed slots sorted by expert (`moe_align`), a grouped FP8 GEMM for `w13`, the
 gated activation fused with its quantization (`triton_moe_act`), a grouped FP8 GEMM for `w2`, and the
-weighted combine in a fixed per-token order (SPEC §8), with the float32 arithmetic of the reference
-path's torch ops.
+weighted combine in a fixed per-token order (SPEC §8).
 
 Launches only, no host sync: sizes come from T, k and E, never from the routing, so the whole forward
 captures in a CUDA graph. Blocks of experts that received no tokens exit at once.
@@ -148,8 +147,9 @@ def moe_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.T
 @triton.jit
 def _combine_kernel(y_ptr, w_ptr, out_ptr, H, stride_ym, stride_wt, stride_ot,
                     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t] = sum_j w[t, j] * y[t * k + j] in float32, j ascending: each product rounded to float32,
-    then added in that fixed order (compiled without FMA contraction, like the torch ops it replaces)."""
+    """out[t] = sum_j w[t, j] * y[t * k + j] in float32, j ascending: one fixed order per token whatever
+    the batch (the compiler may fuse a product and its sum into one FMA; torch.compile drops the
+    launch option that would stop it, and the order, not the FMA, is what invariance needs)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -170,7 +170,7 @@ def combine(y: torch.Tensor, top_k_weights: torch.Tensor, h: int, out_dtype: tor
         return out
     block = min(1024, max(16, 1 << (h - 1).bit_length()))
     _combine_kernel[(t, cdiv(h, block))](y, w, out, h, y.stride(0), w.stride(0), out.stride(0),
-                                         TOP_K=k, BLOCK_H=block, num_warps=4, enable_fp_fusion=False)
+                                         TOP_K=k, BLOCK_H=block, num_warps=4)
     return out
 
 

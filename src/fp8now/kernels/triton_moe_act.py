@@ -42,6 +42,7 @@ def _gated(h_row, cols, mask, I, alpha, limit, GATE: tl.constexpr):
         a = round_as(tl.math.div_rn(g, 1.0 + tl.exp(-g)), h_row)
         return round_as(a * u, h_row)
     else:           # (clamp(up, ±limit) + 1) * (g * sigmoid(alpha * g)), g = min(gate, limit)
+        alpha, limit = tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)   # compile passes fp64
         g = round_as(tl.minimum(g, limit), h_row)
         u = round_as(tl.clamp(u, -limit, limit), h_row)
         ga = round_as(g * alpha, h_row)
