@@ -23,7 +23,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from fp8now.kernels import triton_block as tb, triton_decode as td, triton_gemv as tv, triton_quant as tq  # noqa: E402
 from fp8now.kernels import triton_rowwise as tr, triton_splitk as tk, triton_w8a16 as t8, triton_wquant as tw  # noqa: E402
-from fp8now.kernels import plan as kp, triton_moe as tm, triton_moe_act as ta  # noqa: E402
+from fp8now.kernels import moe_align as ma, plan as kp, triton_moe as tm, triton_moe_act as ta  # noqa: E402
 from fp8now.numerics import E4M3FN, GROUP_AMAX_FLOOR  # noqa: E402
 
 FP8, F32, BF16, I32 = "*fp8e4nv", "*fp32", "*bf16", "*i32"
@@ -146,6 +146,9 @@ def moe():
                     dict(num_warps=4), scalars=fl)
     compile_one("moe_combine", tm._combine_kernel, dict(y_ptr=BF16, w_ptr=F32, out_ptr=BF16),
                 dict(TOP_K=8, BLOCK_H=1024), dict(num_warps=4))
+    for bins in (16, 256):   # E = 8 and E = 128 (one spare bin)
+        compile_one(f"moe_align bins={bins}", ma._align_kernel, dict(ids_ptr="*i64", slots_ptr=I32,
+                    block_expert_ptr=I32), dict(BLOCK_M=16, BINS=bins, CHUNK=64), dict(num_warps=4))
 
 
 if __name__ == "__main__":

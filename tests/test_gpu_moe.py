@@ -70,6 +70,16 @@ def test_gpt_oss_gate_and_biases(scheme):
     assert rel_diff(m(x, idx, w).float(), exact(m, x, idx, w).float()) < 1e-4
 
 
+@pytest.mark.parametrize("t,k,e", [(1, 8, 128), (64, 8, 128), (512, 8, 128), (2048, 2, 8), (3, 2, 8)])
+def test_triton_alignment_equals_torch_alignment(t, k, e):
+    """The one-program counting sort (decode sizes) and the torch ops give the same routing tensors."""
+    from fp8now.kernels.moe_align import align, align_triton
+    idx = routed(dict(e=e, k=k, h=128), t, seed=t)[1]
+    for bm in (16, 64):
+        a, b = align(idx, e, bm), align_triton(idx, e, bm)
+        assert torch.equal(a.slots, b.slots) and torch.equal(a.block_expert, b.block_expert)
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_batch_invariance(scheme):
     m = experts(QWEN3, scheme, batch_invariant=True)

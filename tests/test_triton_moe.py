@@ -6,6 +6,8 @@ fp32 -> fp8 cast is defective (SPEC §2), so there the FP8 operands of the layer
 quantizers (the same cast); on a GPU they come from `numerics`, whose bytes the Triton quantizers match.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,11 +16,11 @@ pytest.importorskip("triton")
 from fp8now import Fp8Config, numerics as nu  # noqa: E402
 from fp8now.config import ACT_GROUP, WEIGHT_GROUP  # noqa: E402
 from fp8now.kernels import plan as kp, triton_quant as tq  # noqa: E402
-from fp8now.kernels.moe_align import align, max_blocks  # noqa: E402
-from fp8now.kernels.triton_moe import available, moe_gemm  # noqa: E402
+from fp8now.kernels.moe_align import align, align_triton, max_blocks  # noqa: E402
+from fp8now.kernels.triton_moe import available, experts_forward, moe_gemm  # noqa: E402
 from fp8now.kernels.triton_moe_act import gated_quant  # noqa: E402
 from fp8now.moe import Fp8Experts  # noqa: E402
-from fp8now.moe_triton import pack, unpack  # noqa: E402
+from fp8now.moe_triton import expert_gate, expert_weights, pack, unpack  # noqa: E402
 from fp8_oracle import exact_product  # noqa: E402
 from test_triton_quant import assert_fp8_equal, precast  # noqa: E402
 
@@ -92,10 +94,13 @@ def oracle(m: Fp8Experts, x, idx, wts) -> torch.Tensor:
     return out
 
 
-def test_alignment_matches_a_plain_restatement():
-    for t, k, e, bm in [(1, 1, 4, 16), (5, 2, 8, 16), (33, 2, 8, 16), (33, 1, 4, 64), (7, 8, 128, 16)]:
+@pytest.mark.parametrize("impl", [align, align_triton])
+def test_alignment_matches_a_plain_restatement(impl):
+    """Both implementations; 150 x 2 slots: more than two steps of the counting sort's 64-slot chunks."""
+    for t, k, e, bm in [(1, 1, 4, 16), (5, 2, 8, 16), (33, 2, 8, 16), (33, 1, 4, 64), (7, 8, 128, 16),
+                        (150, 2, 5, 16)]:
         idx = torch.randint(0, e - 1, (t, k), generator=torch.Generator().manual_seed(t * k)).to(DEV)
-        r = align(idx, e, bm)
+        r = impl(idx, e, bm)
         flat = idx.reshape(-1).tolist()
         slots, owners = [], []
         for ex in range(e):
@@ -133,18 +138,22 @@ def test_grouped_gemm_equals_the_exact_product_per_slot(scheme):
 @pytest.mark.parametrize("gate", ["silu", "clamped_swiglu"])
 @pytest.mark.parametrize("ip", [128, 384])
 def test_fused_gate_quantization_bytes(act, gate, ip):
-    """The fused kernel quantizes exactly the torch gate's values: scales equal, FP8 bytes equal to the
-    Triton quantizer's on the same values, and to numerics' up to the interpreter's cast defects."""
+    """The fused kernel quantizes the torch gate's values: scales equal, FP8 bytes equal to the Triton
+    quantizer's on the same values, and to numerics' up to the interpreter's cast defects. On a GPU,
+    Triton's exp (ex2.approx) and torch's expf may round a rare gate value to the neighbouring bf16
+    value: there a few bytes may differ and the scales agree to a bf16 ulp."""
     g = torch.Generator().manual_seed(ip)
     h = (torch.randn(7, 2 * ip, generator=g) * torch.logspace(-3, 1, 7)[:, None]).bfloat16()
     h[2] = 0   # the scale floor
     q, s = gated_quant(h.to(DEV), gate, act, 1.702, LIMIT)
     a = gate_ref(h, ip, "glu" if gate == "silu" else gate)
     q_ref, s_ref = nu.quantize_activation(a, act)
-    assert torch.equal(s.cpu(), s_ref)
-    assert torch.equal(q.cpu().view(torch.uint8), quantize(a.to(DEV), act)[0].cpu().view(torch.uint8))
-    group = ACT_GROUP[act]
-    assert_fp8_equal(q, q_ref, precast(a, s_ref, group, "row" if act == "token" else "group"))
+    same = q.cpu().view(torch.uint8) == quantize(a.to(DEV), act)[0].cpu().view(torch.uint8)
+    if INTERPRET:
+        assert torch.equal(s.cpu(), s_ref) and same.all()
+        assert_fp8_equal(q, q_ref, precast(a, s_ref, ACT_GROUP[act], "row" if act == "token" else "group"))
+    else:
+        assert torch.allclose(s.cpu(), s_ref, rtol=2.0 ** -8, atol=0) and (~same).float().mean() < 2e-3
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -162,6 +171,17 @@ def test_layer_matches_the_exact_oracle(scheme, gate, bias, t, k, e, h, i):
     assert nu.rel_diff(y.cpu().float(), ref.float()) < 1e-4
     worst = max(nu.rel_diff(y[r].cpu().float(), ref[r].float()) for r in range(t))
     assert worst < 1e-4
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_both_alignments_give_the_same_bytes(scheme):
+    m = experts(scheme, 8, 128, 128, seed=15)
+    x = torch.randn(33, 128, generator=torch.Generator().manual_seed(16)).bfloat16().to(DEV)
+    idx, wts = routing_of(33, 2, 8, seed=17), torch.rand(33, 2, generator=torch.Generator().manual_seed(18)).to(DEV)
+    path = kp.moe_plan(scheme, 33, 2, 8)
+    assert path.align == "triton"
+    run = lambda p: experts_forward(x, idx, wts, expert_weights(m), expert_gate(m), p)  # noqa: E731
+    assert torch.equal(run(path).view(torch.int16), run(dataclasses.replace(path, align="torch")).view(torch.int16))
 
 
 @pytest.mark.parametrize("scheme", ["channel", "block"])
@@ -230,8 +250,10 @@ def test_graph_packing_round_trips(dtype, k):
 def test_plan_is_a_pure_table_lookup():
     p1, p2 = kp.moe_plan("block", 1, 8, 128), kp.moe_plan("block", 16384, 8, 128)
     assert (p1.block_m, p2.block_m) == (16, 128) and p1.act == "group"
-    inv = {kp.moe_plan("channel", t, 2, 8, batch_invariant=True) for t in (1, 3, 64, 4096)}
+    inv = {dataclasses.replace(kp.moe_plan("channel", t, 2, 8, batch_invariant=True), align="")
+           for t in (1, 3, 64, 4096)}   # one GEMM config; the alignment's result is the same either way
     assert len(inv) == 1 and next(iter(inv)).invariant
     table = kp.MoeTable(rows=((None, 32, 64, 4, 2),))
     assert kp.moe_plan("tensor", 1, 1, 4, table=table).block_m == 32
     assert "triton-moe" in p1.name and "BLOCK_M=16" in p1.name
+    assert (p1.align, p2.align) == ("triton", "torch")

@@ -54,16 +54,15 @@ def triton_forward(experts: Fp8Experts, hidden_states: torch.Tensor, top_k_index
     """`Fp8Experts.forward` on the triton backend (same arguments, same result layout)."""
     x = hidden_states.reshape(-1, experts.hidden_size)
     if experts.dense_input:
-        e = experts.num_experts
-        rows = x.shape[0]
-        top_k_index = (torch.arange(rows, device=x.device) // max(rows // e, 1))[:, None]                # [E*T, 1]
-        top_k_weights = x.ne(0).any(dim=-1, keepdim=True).float()                                  # [E*T, 1]
+        per_expert = max(x.shape[0] // experts.num_experts, 1)
+        top_k_index = (torch.arange(x.shape[0], device=x.device) // per_expert)[:, None]    # [E*T, 1]
+        top_k_weights = x.ne(0).any(dim=-1, keepdim=True).float()                          # [E*T, 1]
     elif top_k_index is None or top_k_weights is None:
         raise ValueError(f"{experts.name or 'Fp8Experts'}: forward needs top_k_index and top_k_weights")
     t, k = top_k_index.shape
-    call = _call(experts, x.shape[1], k, x.device)
     if experts.graphs is not None and x.is_cuda and 0 < t <= decode_graphs.MAX_M and decode_graphs.usable(x):
-        y = experts.graphs.run(pack(x, top_k_index, top_k_weights), call, x.shape[1], _addresses(experts))
+        y = experts.graphs.run(pack(x, top_k_index, top_k_weights), _call(experts, x.shape[1], k, x.device),
+                               x.shape[1], _addresses(experts))
     else:
         y = experts_forward(x, top_k_index, top_k_weights, expert_weights(experts), expert_gate(experts),
                             path_of(experts, t, k, x.device))

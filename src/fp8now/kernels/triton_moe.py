@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..config import Scheme
-from .moe_align import Routing, align
+from .moe_align import Routing, align, align_triton
 from .plan import MoePath
 from .triton_jit import FP8_DTYPE, SCALE_BLOCK, cdiv
 from .triton_jit import available as gemm_available
@@ -184,7 +184,7 @@ def experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
         return x.new_zeros((0, h))
     xp = x if h == hp else nn.functional.pad(x, (0, hp - h))
     x_q, x_s = (quantize_act_group if path.act == "group" else quantize_act_token)(xp)   # once per token
-    routing = align(top_k_index, e, path.block_m)
+    routing = (align_triton if path.align == "triton" else align)(top_k_index, e, path.block_m)
     hid = moe_gemm(x_q, x_s, weights.w13, weights.w13_scale, weights.w13_bias, routing, t * k, k, x.dtype, path)
     a_q, a_s = gated_quant(hid, gate.kind, path.act, gate.alpha, gate.limit)
     y = moe_gemm(a_q, a_s, weights.w2, weights.w2_scale, weights.w2_bias, routing, t * k, 1, x.dtype, path)
