@@ -110,7 +110,7 @@ def test_cuda_graph_replay_equals_eager(scheme, t):
 def test_forward_never_synchronizes_the_host(scheme):
     m = experts(QWEN3, scheme)
     calls = [routed(QWEN3, t, seed=t) for t in (1, 8, 64, 4096)]
-    warm = [m(*c) for c in calls]
+    warm = [[m(*c) for _ in range(3)][-1] for c in calls]   # compile, capture (T <= 256), replay
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
