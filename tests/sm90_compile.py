@@ -23,6 +23,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from fp8now.kernels import triton_block as tb, triton_decode as td, triton_gemv as tv, triton_quant as tq  # noqa: E402
 from fp8now.kernels import triton_rowwise as tr, triton_splitk as tk, triton_w8a16 as t8, triton_wquant as tw  # noqa: E402
+from fp8now.kernels import moe_align as ma, plan as kp, triton_moe as tm, triton_moe_act as ta  # noqa: E402
 from fp8now.numerics import E4M3FN, GROUP_AMAX_FLOOR  # noqa: E402
 
 FP8, F32, BF16, I32 = "*fp8e4nv", "*fp32", "*bf16", "*i32"
@@ -118,12 +119,40 @@ def main():
     compile_one("split_reduce", tk.split_reduce_kernel,
                 dict(p_ptr=F32, xs_ptr=F32, ws_ptr=F32, b_ptr=F32, y_ptr=BF16),
                 dict(SPLITS=4, SCALED=True, HAS_BIAS=True, BLOCK=1024), dict(num_warps=4))
+    moe()
     c = t8.W8A16_TABLE[-1][1]
     compile_one("w8a16_gemm sm_80", t8._w8a16_gemm_kernel,
                 dict(x_ptr=BF16, w_ptr="*u8", ws_ptr=F32, b_ptr=F32, y_ptr=BF16),
                 dict(UPCAST_DOT=False, HAS_BIAS=True, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
                      BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"]),
                 dict(num_warps=c["num_warps"], num_stages=c["num_stages"]), cap=80)
+
+
+def moe():
+    """The grouped MoE GEMM at every plan row (both scale kinds), and the fused gate + quantizers."""
+    table = kp.MoeTable()
+    configs = {row[1:] for row in table.rows} | {table.invariant}
+    ptrs = dict(a_ptr=FP8, as_ptr=F32, w_ptr=FP8, ws_ptr=F32, b_ptr=F32, y_ptr=BF16, slots_ptr=I32,
+                block_expert_ptr=I32)
+    for bm, bn, warps, stages in sorted(configs):
+        for group in (False, True):
+            compile_one(f"moe_gemm {bm}x{bn} w{warps} s{stages} group={group}", tm._moe_gemm_kernel, ptrs,
+                        dict(GROUP_SCALES=group, HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128),
+                        dict(num_warps=warps, num_stages=stages), scalars=dict(one="fp32"))
+    q = dict(h_ptr=BF16, q_ptr=FP8, s_ptr=F32)
+    for gate, fl in [(code, dict(alpha="fp32", limit="fp32")) for code in ta.GATE_CODES.values()] + [
+            (ta.GATE_CODES["clamped_swiglu"], dict(alpha="fp64", limit="fp64"))]:   # torch.compile's floats
+        compile_one(f"moe_gate_token gate={gate} {fl['alpha']}", ta._gated_token_kernel, q,
+                    dict(GATE=gate, FMAX=E4M3FN.fmax, FLOOR=E4M3FN.min_scale, BLOCK=2048), dict(num_warps=8),
+                    scalars=fl)
+        compile_one(f"moe_gate_group gate={gate} {fl['alpha']}", ta._gated_group_kernel, q,
+                    dict(GATE=gate, FMAX=E4M3FN.fmax, FLOOR=GROUP_AMAX_FLOOR, GROUPS=8, GROUP_K=128),
+                    dict(num_warps=4), scalars=fl)
+    compile_one("moe_combine", tm._combine_kernel, dict(y_ptr=BF16, w_ptr=F32, out_ptr=BF16),
+                dict(TOP_K=8, BLOCK_H=1024), dict(num_warps=4))
+    for bins in (16, 256):   # E = 8 and E = 128 (one spare bin)
+        compile_one(f"moe_align bins={bins}", ma._align_kernel, dict(ids_ptr="*i64", slots_ptr=I32,
+                    block_expert_ptr=I32), dict(BLOCK_M=16, BINS=bins, CHUNK=64), dict(num_warps=4))
 
 
 if __name__ == "__main__":

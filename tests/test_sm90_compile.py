@@ -45,6 +45,8 @@ def test_gemms_use_tensor_cores(compiled):
         if "gemm" in name or name.startswith("decode"):
             assert r["mma"], name
     assert compiled["block_gemm M<=None"]["wgmma"] and compiled["rowwise_gemm M<=None"]["wgmma"]
+    moe_prefill = [r for name, r in compiled.items() if name.startswith("moe_gemm 128x128")]
+    assert len(moe_prefill) == 2 and all(r["wgmma"] for r in moe_prefill)   # rows gathered, still wgmma
 
 
 def test_fast_accum_variants_skip_the_promotion(compiled):

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from .config import Fp8Config, Scheme
-from .kernels import quantize_weight
+from .decode_graphs import DecodeGraphs
+from .kernels import device_class, quantize_weight
 from .kernels.reference import exact_matmul
 from .linear import check_float_weight, weight_scale_shape
 from .numerics import E4M3FN, quantize_activation
@@ -21,12 +22,35 @@ from .numerics import E4M3FN, quantize_activation
 # Gated activations by name: "glu" is act(gate) * up (act = the family's act_fn); "clamped_swiglu" is
 # GPT-OSS's (gate clamped above, up clamped both ways, gate * sigmoid(alpha * gate) * (up + 1)).
 GATES = ("glu", "clamped_swiglu")
-# Backends that can run experts today (the Triton grouped GEMM is a later step).
-EXPERT_BACKENDS = ("auto", "reference")
+# Backends that run experts: the Triton grouped FP8 GEMMs (FP8 GPUs; `kernels.triton_moe`) and the exact
+# float64 `reference` loop over experts (anywhere). Device class -> candidates, best first.
+EXPERT_BACKENDS = ("auto", "triton", "reference")
+EXPERT_TABLE = {"cuda-fp8": ("triton", "reference"), "cuda": ("reference",), "cpu": ("reference",)}
 
 
 def _round_up(n: int, to: int) -> int:
     return n + (-n % to)
+
+
+def expert_backend_reason(name: str, device: torch.device, experts: Fp8Experts) -> str | None:
+    """None if backend `name` runs `experts` on `device`, else why not."""
+    if name == "reference":
+        return None
+    from .kernels import triton_moe   # importable without triton: `available` then says why
+    return triton_moe.available(device, experts.gate_kind, experts.act_fn, experts.h_pad, experts.i_pad)
+
+
+def pick_expert_backend(device: torch.device, experts: Fp8Experts, forced: str = "auto") -> str:
+    """The experts backend on `device` (`forced` unless "auto"); raises listing every rejected candidate."""
+    candidates = EXPERT_TABLE[device_class(device)] if forced == "auto" else (forced,)
+    reasons = []
+    for name in candidates:
+        why = expert_backend_reason(name, device, experts)
+        if why is None:
+            return name
+        reasons.append(f"{name}: {why}")
+    raise RuntimeError(f"{experts.name or 'experts'}: no experts backend fits on {device}; rejected: "
+                       + "; ".join(reasons) + ". Choose another backend= or ignore the experts.")
 
 
 def expert_act_kind(config: Fp8Config) -> str:
@@ -59,14 +83,16 @@ class Fp8Experts(nn.Module):
         if gate == "glu" and act_fn is None:
             raise ValueError(f"{name or 'experts'}: gate='glu' needs the family's act_fn")
         if config.backend not in EXPERT_BACKENDS:
-            raise ValueError(f"{name or 'experts'}: backend {config.backend!r} has no MoE experts kernel "
-                             f"yet; use backend='auto' (experts run on 'reference') or ignore the experts")
+            raise ValueError(f"{name or 'experts'}: backend {config.backend!r} has no MoE experts kernel; "
+                             f"valid for experts: {', '.join(EXPERT_BACKENDS)} (or ignore the experts)")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.scheme: Scheme = config.expert_scheme
         self.act_kind = expert_act_kind(config)
         self.gate_kind, self.act_fn, self.alpha, self.limit = gate, act_fn, alpha, limit
         self.dense_input = dense_input
         self.name = name
+        self.forced_backend, self.batch_invariant = config.backend, config.batch_invariant
+        self.graphs = DecodeGraphs() if config.decode_graphs else None   # triton: small-T calls replayed
         self.backend: str | None = None
         pad = 128 if self.scheme is Scheme.BLOCK else 1
         self.h_pad, self.i_pad = _round_up(hidden_size, pad), _round_up(intermediate_size, pad)
@@ -141,7 +167,7 @@ class Fp8Experts(nn.Module):
                     setattr(self, leaf, nn.Parameter(b.to(old.dtype).clone(), requires_grad=False))
                 else:
                     old.data.copy_(b)
-        self.backend = "reference"
+        self.backend = pick_expert_backend(self.w13.device, self, self.forced_backend)
 
     def install_(self, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor) -> None:
         """Take already quantized tensors in the stored layout (`w13 [E, 2Ip, Hp]` FP8, float32 scales), as
@@ -187,6 +213,9 @@ class Fp8Experts(nn.Module):
                 top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
         if self.backend is None:
             raise RuntimeError(f"Fp8Experts {self.name} has no weights yet: call load_ first")
+        if self.backend == "triton":
+            from .moe_triton import triton_forward
+            return triton_forward(self, hidden_states, top_k_index, top_k_weights)
         if self.dense_input:
             return self._dense_forward(hidden_states)
         if top_k_index is None or top_k_weights is None:

@@ -168,6 +168,60 @@ PLANNERS: Mapping[str, Callable[..., Path]] = MappingProxyType({
 })
 
 
+@dataclass(frozen=True)
+class MoeTable:
+    """Launch configs of the grouped MoE GEMMs: rows (mean routed rows per expert up to, BLOCK_M,
+    BLOCK_N, num_warps, num_stages), the last row open-ended (None); `invariant`: the one config of
+    batch-invariant mode, the same for every T (BLOCK_M, BLOCK_N, num_warps, num_stages); up to
+    `triton_align_max_slots` routed slots (T * k) the routing is aligned by the one-program Triton
+    counting sort, above by torch ops (same result)."""
+
+    rows: tuple[tuple[int | None, int, int, int, int], ...] = (
+        (16, 16, 64, 4, 4), (64, 32, 128, 4, 4), (256, 64, 128, 4, 4), (None, 128, 128, 8, 4))
+    invariant: tuple[int, int, int, int] = (64, 64, 4, 4)
+    triton_align_max_slots: int = 4096
+
+
+MOE_TABLES: Mapping[str, MoeTable] = MappingProxyType({"cuda-fp8": MoeTable(), "cpu": MoeTable()})
+
+
+@dataclass(frozen=True)
+class MoePath:
+    """What one experts call runs: routed rows sorted by expert in runs of `block_m` (by the `align`
+    implementation: "triton" or "torch"), the two grouped GEMMs on `block_m x block_n` tiles (K in
+    128-steps), one config for every T if `invariant`."""
+
+    scheme: Scheme
+    act: str
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    invariant: bool = False
+    align: str = "torch"
+
+    @property
+    def name(self) -> str:
+        """E.g. "triton-token + triton-moe (align=triton, BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)"."""
+        notes = f"align={self.align}, BLOCK_M={self.block_m}, BLOCK_N={self.block_n}, " \
+                f"num_warps={self.num_warps}, num_stages={self.num_stages}" + ", batch-invariant" * self.invariant
+        return f"triton-{self.act} + triton-moe ({notes})"
+
+
+def moe_plan(scheme: Scheme, tokens: int, top_k: int, experts: int, device_class: str = "cuda-fp8",
+             batch_invariant: bool = False, table: MoeTable | None = None) -> MoePath:
+    """The grouped-GEMM path of one experts call on `tokens` tokens routed to `top_k` of `experts`."""
+    scheme = Scheme.parse(scheme)
+    table = table or MOE_TABLES.get(device_class, MoeTable())
+    act = "group" if scheme is Scheme.BLOCK else "token"
+    align = "triton" if tokens * top_k <= table.triton_align_max_slots else "torch"
+    if batch_invariant:   # the alignment's result does not depend on its implementation
+        return MoePath(scheme, act, *table.invariant, invariant=True, align=align)
+    per_expert = tokens * top_k / max(experts, 1)
+    bound, *config = next(r for r in table.rows if r[0] is None or per_expert <= r[0])
+    return MoePath(scheme, act, *config, align=align)
+
+
 def plan(backend: str, scheme: Scheme, act: str, m: int, n: int, k: int, device_class: str,
          batch_invariant: bool = False, compiling: bool = False, table: Table | None = None,
          fast_accum: bool = False) -> Path:
