@@ -178,7 +178,7 @@ class Fp8Experts(nn.Module):
                 raise ValueError(f"{self.name}.{leaf}: got {t.dtype} {tuple(t.shape)}, the layer stores "
                                  f"{old.dtype} {tuple(old.shape)}")
             setattr(self, leaf, nn.Parameter(t, requires_grad=False))
-        self.backend = "reference"
+        self.backend = pick_expert_backend(self.w13.device, self, self.forced_backend)
 
     def expert_weight(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Expert e's stored (w13 [2Ip, Hp], w13_scale, w2 [Hp, Ip], w2_scale)."""
