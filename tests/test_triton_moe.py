@@ -29,7 +29,6 @@ INTERPRET = DEV.type == "cpu"
 WHY = available(DEV, "glu", torch.nn.SiLU(), 128, 128)
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(WHY is not None, reason=f"Triton MoE: {WHY}")]
 SCHEMES = ("tensor", "channel", "block")
-GATES = ("glu", "clamped_swiglu")
 LIMIT = 0.3   # GPT-OSS's clamp, scaled to these weights so that it bites
 
 
