@@ -1,0 +1,193 @@
+"""MoE experts under tensor parallelism (SPEC §6) with real gloo collectives in 2 and 4 spawned processes:
+expert parallelism ("ep", whole experts per rank) and TP inside the experts ("tp").
+
+The reference is the TP=1 load of the same checkpoint in this process. Each rank's experts bytes and
+scales must equal the matching slice of it exactly (the slices are worked out here from the rank and
+the group size), each rank must read only its experts or slices, and the logits must equal TP=1.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import fp8now
+from fp8now import Fp8Config
+from fp8now.numerics import rel_diff
+from moe_tiny import save_moe
+from test_tp import _check_bytes, _rows, _spawn
+from tp_worker import IDS, experts_bytes, layer_bytes
+
+TOL = 1e-4       # tp_invariant: logits vs TP=1 (the dense TP tests' bound)
+DEFAULT = 2e-2   # without tp_invariant: row-parallel inputs quantized per shard (measured ~3e-4 here)
+# Per-expert checkpoint keys: (expert, which matrix). gate/up (w1/w3) rows and down (w2) columns hold I.
+EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|w1|w3|down_proj|w2)\.weight$")
+
+
+def _ckpt(folder: Path, family: str, hidden: int, inter: int) -> Path:
+    inter_key = "moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size"
+    heads = hidden // 64 if hidden >= 256 else 4
+    return save_moe(family, folder, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads,
+                    head_dim=hidden // heads, vocab_size=512, **{inter_key: inter})
+
+
+def _expected(ref: tuple, scheme: str, mode: str, size: int, rank: int) -> tuple[torch.Tensor, ...]:
+    """The TP=1 experts tensors (w13, w13_scale, w2, w2_scale) rank `rank` must hold."""
+    w13, s13, w2, s2 = ref
+    if mode == "ep":
+        a, b = _rows(w13.shape[0], size, rank)
+        return w13[a:b], s13[a:b], w2[a:b], s2[a:b]
+    i = w2.shape[2]
+    a, b = _rows(i, size, rank)
+
+    def halves(t: torch.Tensor, lo: int, hi: int, whole: int) -> torch.Tensor:
+        return torch.cat([t[:, lo:hi], t[:, whole + lo:whole + hi]], dim=1)
+
+    w13, w2 = halves(w13, a, b, i), w2[:, :, a:b]
+    if scheme == "channel":
+        s13 = halves(s13, a, b, i)
+    elif scheme == "block":
+        s13, s2 = halves(s13, a // 128, b // 128, i // 128), s2[:, :, a // 128:b // 128]
+    return w13, s13, w2, s2
+
+
+def _check_reads(log: list, ckpt: Path, mode: str, size: int, rank: int, read_bytes: int) -> None:
+    """Experts keys: ep reads its experts whole and never another's; tp reads every expert's I slice."""
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    seen = {}
+    for key, index, nbytes in log:
+        assert key not in seen, f"{key} read twice"
+        seen[key] = (index, nbytes)
+    assert read_bytes == sum(n for _, n in seen.values())
+    num_experts = 1 + max(int(m.group(1)) for k in shapes if (m := EXPERT_KEY.search(k)))
+    first, last = _rows(num_experts, size, rank)
+    for key, shape in shapes.items():
+        match = EXPERT_KEY.search(key)
+        if match is None:
+            assert key in seen, key
+            continue
+        expert, which = int(match.group(1)), match.group(2)
+        if mode == "ep":
+            assert (key in seen) == (first <= expert < last), (key, rank)
+            assert key not in seen or seen[key] == ("full", 2 * shape[0] * shape[1]), key
+            continue
+        dim = 1 if which in ("down_proj", "w2") else 0
+        index, nbytes = seen[key]
+        assert index[dim] == slice(*_rows(shape[dim], size, rank)) and index[:dim] == (slice(None),) * dim, key
+        assert nbytes == 2 * shape[0] * shape[1] // size, key
+
+
+def _check_run(ckpt: Path, ranks: list[dict], run: str, refs: dict) -> float:
+    """Bytes, reads and logits of one `mode:scheme:invariant` run on every rank; -> the worst rel_diff."""
+    mode, scheme, inv = run.split(":")
+    ref_layers, ref_experts, ref_logits = refs[scheme]
+    mode = "tp" if mode == "plan" else mode
+    worst = 0.0
+    for rank, result in enumerate(ranks):
+        assert not isinstance(result[run][0], str), result[run][0]
+        layers, experts, logits, log, read_bytes, splits = result[run]
+        assert set(experts) == set(ref_experts)
+        for name, ref in ref_experts.items():
+            want = _expected(ref, scheme, mode, len(ranks), rank)
+            for got, expect in zip(experts[name], want):
+                assert torch.equal(got, expect), (run, rank, name)
+            assert splits[name].mode == mode
+        if run.startswith(("ep", "tp")):  # the model's own plan also splits attention
+            _check_bytes(ref_layers, [r[run][0] for r in ranks], scheme)
+        _check_reads(log, ckpt, mode, len(ranks), rank, read_bytes)
+        worst = max(worst, rel_diff(logits, ref_logits))
+    assert worst < (TOL if inv == "1" else DEFAULT), (run, worst)
+    return worst
+
+
+def _refs(ckpt: Path, schemes) -> dict:
+    out = {}
+    for scheme in schemes:
+        model, _ = fp8now.load(ckpt, Fp8Config(scheme=scheme), device="cpu", measure_error=False)
+        with torch.no_grad():
+            out[scheme] = (layer_bytes(model), experts_bytes(model), model(IDS).logits.float())
+    return out
+
+
+def test_qwen3_moe_two_ranks_every_scheme(tmp_path):
+    """Qwen3-MoE at 2 ranks, 128-aligned shards: ep and tp, every scheme, with tp_invariant (rel_diff <
+    1e-4) and without (stated bound); tp also through a plan dict in transformers' own expert styles."""
+    ckpt = _ckpt(tmp_path, "qwen3_moe", hidden=256, inter=256)
+    runs = [f"{m}:{s}:1" for m in ("ep", "tp") for s in ("tensor", "channel", "block")]
+    runs += ["ep:channel:0", "tp:channel:0", "plan:block:0"]
+    ranks = _spawn(2, "moe", ckpt, tmp_path / "out", ",".join(runs))
+    refs = _refs(ckpt, ("tensor", "channel", "block"))
+    diffs = {run: _check_run(ckpt, ranks, run, refs) for run in runs}
+    print("logits rel_diff vs TP=1:", diffs)
+
+
+def test_mixtral_four_ranks(tmp_path):
+    """Mixtral (per-expert w1/w2/w3 keys renamed by transformers' rules) at 4 ranks: one expert per rank
+    (ep) or a quarter of every expert (tp); unaligned block shards refused before any read."""
+    ckpt = _ckpt(tmp_path, "mixtral", hidden=128, inter=128)
+    runs = ["ep:tensor:1", "tp:channel:1", "tp:tensor:0", "ep:channel:0"]
+    ranks = _spawn(4, "moe", ckpt, tmp_path / "out", ",".join([*runs, "plan:block:1"]))
+    refs = _refs(ckpt, ("tensor", "channel"))
+    diffs = {run: _check_run(ckpt, ranks, run, refs) for run in runs}
+    print("logits rel_diff vs TP=1:", diffs)
+    for rank, result in enumerate(ranks):
+        error, log = result["plan:block:1"]
+        assert error.startswith("ValueError") and "multiple of 128" in error, error
+        assert "model.layers.0.mlp.experts" in error and f"{32 * rank}:{32 * (rank + 1)}" in error, error
+        assert log == []
+
+
+def _meta_model(family: str):
+    """The CausalLM of a tiny config on the meta device, its experts swapped for meta Fp8Experts."""
+    from fp8now.moe_load import ExpertsLoad
+    from moe_tiny import moe_config
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(moe_config(family))
+    return model, ExpertsLoad(model, Fp8Config())
+
+
+def test_experts_plan_errors_without_processes(tmp_path):
+    """moe_parallel's values, plan dicts that contradict it or themselves, unknown expert styles, experts
+    that do not split evenly, Llama4's dense-input experts: clear errors naming what to change."""
+    from fp8now.tp_moe import _split, experts_mode
+    from fp8now.tp_plan import resolve_plan
+
+    model, load = _meta_model("qwen3_moe")
+    names = list(load.layers)
+    gate_up, down = "model.layers.*.mlp.experts.gate_up_proj", "model.layers.*.mlp.experts.down_proj"
+    # transformers' own plans: 5.17 put TP inside the experts in tp_plan, 5.25 EP in ep_plan; "auto" asks neither
+    assert experts_mode("auto", names, None) == "ep" and experts_mode("auto", names, "tp") == "tp"
+    assert experts_mode({gate_up: "packed_colwise", down: "rowwise"}, names, None) == "tp"
+    assert experts_mode({gate_up: "grouped_gemm", down: "grouped_gemm",
+                         "model.layers.*.mlp.experts": "ep_dispatch_experts"}, names, None) == "ep"
+    with pytest.raises(ValueError, match="moe_parallel must be 'ep'"):
+        experts_mode("auto", names, "expert")
+    with pytest.raises(ValueError, match="tp on the MoE experts but moe_parallel='ep'"):
+        experts_mode({gate_up: "packed_colwise"}, names, "ep")
+    with pytest.raises(ValueError, match="ep and tp on the MoE experts"):
+        experts_mode({gate_up: "packed_colwise", down: "grouped_gemm"}, names, None)
+    with pytest.raises(ValueError, match=r"style 'sideways' of model\.layers\.\*\.mlp\.experts\.down_proj"):
+        experts_mode({down: "sideways"}, names, None)
+    # a 5.17-style plan with the expert entries: the dense plan keeps only the attention
+    plan = {"model.layers.*.self_attn.q_proj": "colwise", gate_up: "packed_colwise", down: "rowwise",
+            "model.layers.*.mlp.experts": "moe_tp_experts", "model.layers.*.mlp.gate": "ep_router"}
+    assert set(resolve_plan(model, plan, names)) == {f"model.layers.{i}.self_attn.q_proj" for i in range(2)}
+    layer = load.layers[names[0]][0]
+    with pytest.raises(ValueError, match=r"mlp\.experts: 8 experts do not split evenly over 3 expert-parallel"):
+        _split(model, names[0], layer, "ep", 3, 0)
+    with pytest.raises(ValueError, match=r"expert intermediate size\): dim of 128 does not split evenly over 3"):
+        _split(model, names[0], layer, "tp", 3, 0)
+    llama4, load4 = _meta_model("llama4_text")
+    name4 = next(iter(load4.layers))
+    with pytest.raises(ValueError, match="router-scaled dense input .Llama4. are not supported under tp_plan"):
+        _split(llama4, name4, load4.layers[name4][0], "ep", 2, 0)
+    ckpt = save_moe("qwen3_moe", tmp_path)
+    with pytest.raises(ValueError, match="moe_parallel splits MoE experts across a tensor-parallel group"):
+        fp8now.load(ckpt, device="cpu", moe_parallel="ep")
