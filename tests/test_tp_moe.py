@@ -26,6 +26,10 @@ TOL = 1e-4       # tp_invariant: logits vs TP=1 (the dense TP tests' bound)
 DEFAULT = 2e-2   # without tp_invariant: row-parallel inputs quantized per shard (measured ~3e-4 here)
 # Per-expert checkpoint keys: (expert, which matrix). gate/up (w1/w3) rows and down (w2) columns hold I.
 EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|w1|w3|down_proj|w2)\.weight$")
+# GPT-OSS stores its experts fused, transposed and with gate/up interleaved: the dim each leaf's I is on
+# (x2: interleaved, so a rank's gate and up columns are one contiguous run); down_proj_bias has no I.
+FUSED_KEY = re.compile(r"\.experts\.(gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)$")
+FUSED_I_DIM = {"gate_up_proj": (2, 2), "gate_up_proj_bias": (1, 2), "down_proj": (1, 1)}
 
 
 def _ckpt(folder: Path, family: str, hidden: int, inter: int) -> Path:
@@ -64,9 +68,12 @@ def _check_reads(log: list, ckpt: Path, mode: str, size: int, rank: int, read_by
         assert key not in seen, f"{key} read twice"
         seen[key] = (index, nbytes)
     assert read_bytes == sum(n for _, n in seen.values())
-    num_experts = 1 + max(int(m.group(1)) for k in shapes if (m := EXPERT_KEY.search(k)))
+    num_experts = 1 + max((int(m.group(1)) for k in shapes if (m := EXPERT_KEY.search(k))), default=0)
     first, last = _rows(num_experts, size, rank)
     for key, shape in shapes.items():
+        fused = FUSED_KEY.search(key)
+        if fused is not None:
+            _check_fused_read(seen[key][0], fused.group(1), shape, mode, size, rank)
         match = EXPERT_KEY.search(key)
         if match is None:
             assert key in seen, key
@@ -82,8 +89,20 @@ def _check_reads(log: list, ckpt: Path, mode: str, size: int, rank: int, read_by
         assert nbytes == 2 * shape[0] * shape[1] // size, key
 
 
-def _check_run(ckpt: Path, ranks: list[dict], run: str, refs: dict) -> float:
-    """Bytes, reads and logits of one `mode:scheme:invariant` run on every rank; -> the worst rel_diff."""
+def _check_fused_read(index, leaf: str, shape: list[int], mode: str, size: int, rank: int) -> None:
+    if mode == "ep":
+        assert index[0] == slice(*_rows(shape[0], size, rank)), (leaf, index)
+    elif leaf == "down_proj_bias":
+        assert index == "full", (leaf, index)
+    else:
+        dim, mult = FUSED_I_DIM[leaf]
+        a, b = _rows(shape[dim] // mult, size, rank)
+        assert index[dim] == slice(mult * a, mult * b) and index[:dim] == (slice(None),) * dim, (leaf, index)
+
+
+def _check_run(ckpt: Path, ranks: list[dict], run: str, refs: dict, dense_split: bool = True) -> float:
+    """Bytes, reads and logits of one `mode:scheme:invariant` run on every rank; -> the worst rel_diff.
+    `dense_split`: the model's own plan splits the attention (else, and for "plan" runs, it stays whole)."""
     mode, scheme, inv = run.split(":")
     ref_layers, ref_experts, ref_logits = refs[scheme]
     mode = "tp" if mode == "plan" else mode
@@ -97,8 +116,11 @@ def _check_run(ckpt: Path, ranks: list[dict], run: str, refs: dict) -> float:
             for got, expect in zip(experts[name], want):
                 assert torch.equal(got, expect), (run, rank, name)
             assert splits[name].mode == mode
-        if run.startswith(("ep", "tp")):  # the model's own plan also splits attention
+        if dense_split and not run.startswith("plan"):
             _check_bytes(ref_layers, [r[run][0] for r in ranks], scheme)
+        else:
+            assert all(torch.equal(layers[n][0], q) and torch.equal(layers[n][1], s)
+                       for n, (q, s) in ref_layers.items()) and set(layers) == set(ref_layers)
         _check_reads(log, ckpt, mode, len(ranks), rank, read_bytes)
         worst = max(worst, rel_diff(logits, ref_logits))
     assert worst < (TOL if inv == "1" else DEFAULT), (run, worst)
@@ -118,12 +140,29 @@ def test_qwen3_moe_two_ranks_every_scheme(tmp_path):
     """Qwen3-MoE at 2 ranks, 128-aligned shards: ep and tp, every scheme, with tp_invariant (rel_diff <
     1e-4) and without (stated bound); tp also through a plan dict in transformers' own expert styles."""
     ckpt = _ckpt(tmp_path, "qwen3_moe", hidden=256, inter=256)
+    _nan_checkpoint(tmp_path / "nan")
     runs = [f"{m}:{s}:1" for m in ("ep", "tp") for s in ("tensor", "channel", "block")]
     runs += ["ep:channel:0", "tp:channel:0", "plan:block:0"]
-    ranks = _spawn(2, "moe", ckpt, tmp_path / "out", ",".join(runs))
+    ranks = _spawn(2, "moe", ckpt, tmp_path / "out", ",".join([*runs, "ep:channel:0:nan", "tp:channel:0:nan"]))
     refs = _refs(ckpt, ("tensor", "channel", "block"))
     diffs = {run: _check_run(ckpt, ranks, run, refs) for run in runs}
     print("logits rel_diff vs TP=1:", diffs)
+    for mode in ("ep", "tp"):  # the NaN sits in rank 1's expert (ep) or in rank 1's half of it (tp)
+        (e0, _), (e1, _) = (r[f"{mode}:channel:0:nan"] for r in ranks)
+        assert e1.startswith("ValueError") and "NaN" in e1 and "model.layers.1.mlp.experts" in e1, e1
+        assert e0.startswith("RuntimeError") and "rank 1 failed" in e0 and "NaN" in e0, e0
+        assert "experts model.layers.1.mlp.experts" in e0, e0
+
+
+def _nan_checkpoint(folder: Path) -> None:
+    """The Qwen3-MoE of _ckpt with one NaN in expert 5's down_proj, in its last intermediate column."""
+    from moe_tiny import moe_model
+
+    model = moe_model("qwen3_moe", hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+                      vocab_size=512, moe_intermediate_size=256)
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.down_proj[5, 7, 255] = float("nan")
+    model.save_pretrained(folder)
 
 
 def test_mixtral_four_ranks(tmp_path):
@@ -191,3 +230,14 @@ def test_experts_plan_errors_without_processes(tmp_path):
     ckpt = save_moe("qwen3_moe", tmp_path)
     with pytest.raises(ValueError, match="moe_parallel splits MoE experts across a tensor-parallel group"):
         fp8now.load(ckpt, device="cpu", moe_parallel="ep")
+
+
+def test_gpt_oss_fused_experts_two_ranks(tmp_path):
+    """GPT-OSS keeps its experts fused on disk ([E, H, 2I], gate/up interleaved, biases): each rank reads
+    its slice of the fused tensors (get_slice), down_proj's bias is added once after the sum."""
+    ckpt = save_moe("gpt_oss", tmp_path, vocab_size=512)
+    runs = ["ep:tensor:1", "tp:tensor:1", "tp:channel:1", "tp:channel:0"]
+    ranks = _spawn(2, "moe", ckpt, tmp_path / "out", ",".join(runs))
+    refs = _refs(ckpt, ("tensor", "channel"))
+    diffs = {run: _check_run(ckpt, ranks, run, refs, dense_split=False) for run in runs}
+    print("logits rel_diff vs TP=1:", diffs)

@@ -88,16 +88,18 @@ def experts_bytes(model) -> dict[str, tuple[torch.Tensor, ...]]:
 
 def _moe(ckpt: str, extra: str, log: list) -> dict:
     """Every (mode, scheme, tp_invariant) of `extra` ("ep:tensor:0,tp:block:1,..."): bytes, logits, reads.
-    Mode "plan": the EXPERTS_ONLY plan dict, whose styles choose TP inside the experts."""
+    Mode "plan": the EXPERTS_ONLY plan dict, whose styles choose TP inside the experts. A fourth field
+    names a sibling checkpoint folder to load instead."""
     import fp8now
     from fp8now import Fp8Config
 
     result: dict = {}
     for run in extra.split(","):
-        mode, scheme, inv = run.split(":")
+        mode, scheme, inv, *other = run.split(":")
         log.clear()
+        folder = Path(ckpt).parent / other[0] if other else ckpt
         try:
-            model, _ = fp8now.load(ckpt, Fp8Config(scheme=scheme, tp_invariant=inv == "1"), device="cpu",
+            model, _ = fp8now.load(folder, Fp8Config(scheme=scheme, tp_invariant=inv == "1"), device="cpu",
                                    measure_error=False, tp_plan=EXPERTS_ONLY if mode == "plan" else "auto",
                                    moe_parallel=None if mode == "plan" else mode)
         except (ValueError, RuntimeError) as e:

@@ -2,9 +2,10 @@
 
 "ep" (the default): whole experts per rank, contiguous and even, as transformers' own expert plan
 places them (`grouped_gemm` is `Shard(0)` on the expert dim); each rank reads only its experts and
-their scales need nothing. "tp": every rank holds every expert, `w13` split by columns (each of the
-gate and up halves split alike) and `w2` by rows of its input (the intermediate dim I); tensor scales
-(w13, w2) and channel scales (w2) take the amax MAX over the group, block tiles must not be cut.
+their scales need nothing. "tp": every rank holds every expert, `w13` column-parallel (its output
+rows: the gate and up halves each split alike) and `w2` row-parallel (its input, the intermediate dim
+I); tensor scales (w13, w2) and channel scales (w2) take the amax MAX over the group, and block tiles
+must not be cut.
 tp_moe_forward.py holds the forward; this file decides the split and feeds the loader.
 """
 
@@ -170,7 +171,9 @@ class ExpertsTp:
             else:
                 layer.load_(w13, w2, b13, b2)
         except ValueError as e:
-            error = e
+            error = e if split.experts[0] == 0 else ValueError(
+                f"{e} (this rank holds experts {split.experts[0]}..{split.experts[1] - 1}: local index i is "
+                f"expert {split.experts[0]} + i)")
         numel = sum(layer.num_experts * (1 if leaf == "w13" or layer.scheme is Scheme.TENSOR else layer.hidden_size)
                     for leaf in leaves)
         amax = self.state.agree(f"experts {layer.name}", error, amax, numel)
