@@ -76,10 +76,6 @@ def experts_mode(tp_plan: str | dict[str, str], names: list[str], moe_parallel: 
 def _split(model: nn.Module, name: str, layer: Fp8Experts, mode: str, size: int, rank: int) -> ExpertsSplit:
     """This rank's experts (ep) or intermediate rows (tp); refusals name the layer, before any read."""
     e, i = layer.num_experts, layer.intermediate_size
-    if layer.dense_input:
-        raise ValueError(f"{name}: experts fed router-scaled dense input (Llama4) are not supported under "
-                         f"tp_plan yet; load without tp_plan, or add {name!r} to Fp8Config.ignore (kept "
-                         "whole on every rank)")
     if mode == "ep":
         if e % size:
             raise ValueError(f"{name}: {e} experts do not split evenly over {size} expert-parallel ranks; use "
@@ -121,8 +117,8 @@ def _local_layer(name: str, layer: Fp8Experts, split: ExpertsSplit, config: Fp8C
     bias = layer.w13_bias
     return Fp8Experts(split.experts[1] - split.experts[0], layer.hidden_size, split.inter[1] - split.inter[0],
                       config, bias=bias is not None, gate=layer.gate_kind, act_fn=layer.act_fn, alpha=layer.alpha,
-                      limit=layer.limit, device="meta", dtype=torch.bfloat16 if bias is None else bias.dtype,
-                      name=name)
+                      limit=layer.limit, dense_input=layer.dense_input, device="meta",
+                      dtype=torch.bfloat16 if bias is None else bias.dtype, name=name)
 
 
 def _expert_index(key: str, pattern: str) -> int:
@@ -174,8 +170,8 @@ class ExpertsTp:
             error = e if split.experts[0] == 0 else ValueError(
                 f"{e} (this rank holds experts {split.experts[0]}..{split.experts[1] - 1}: local index i is "
                 f"expert {split.experts[0]} + i)")
-        numel = sum(layer.num_experts * (1 if leaf == "w13" or layer.scheme is Scheme.TENSOR else layer.hidden_size)
-                    for leaf in leaves)
+        per_expert = 1 if layer.scheme is Scheme.TENSOR else layer.hidden_size  # channel: w2's rows
+        numel = layer.num_experts * per_expert * len(leaves)
         amax = self.state.agree(f"experts {layer.name}", error, amax, numel)
         if leaves:
             parts = dict(zip(local, amax.split([a.numel() for a in local.values()])))

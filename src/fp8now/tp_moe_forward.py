@@ -2,7 +2,8 @@
 
 Every rank holds the same tokens and routing (the router runs replicated). Each rank runs its own
 experts (ep) or its slice of every expert (tp) on the tokens routed to them and writes one float32
-row per (token, expert) slot, zero where it has nothing; one all-reduce (SUM) of those rows gives
+row per (token, expert) slot (Llama4's dense input: per expert and token), zero where it has
+nothing; one all-reduce (SUM) of those rows gives
 every rank every slot's output, which is then rounded and weighted exactly as one process does. With
 expert parallelism each slot has one nonzero contributor, so the output equals TP=1 bit for bit;
 with TP inside the experts the partial `w2` products are summed, and with `tp_invariant` the
@@ -22,22 +23,28 @@ from .moe import Fp8Experts, combine
 from .numerics import quantize_activation
 
 
-def _gated_inputs(layer: Fp8Experts, x: torch.Tensor, flat: torch.Tensor, k: int, first: int
-                  ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(local expert, its slots, gate(W13 x) [m, I_local]) for each local expert that got tokens."""
+def _routed_groups(layer: Fp8Experts, x: torch.Tensor, flat: torch.Tensor, k: int, first: int) -> list:
+    """(local expert, its slots in [T*k], its input rows [m, H]) for each local expert that got tokens."""
     local = flat - first
     slots = ((local >= 0) & (local < layer.num_experts)).nonzero().flatten()
-    order = torch.argsort(local[slots], stable=True)
-    slots = slots[order]
+    slots = slots[torch.argsort(local[slots], stable=True)]
     counts = torch.bincount(local[slots], minlength=layer.num_experts).tolist()
     out, start = [], 0
     for e, n in enumerate(counts):
         if n:
             mine = slots[start:start + n]
             start += n
-            xe = nn.functional.pad(x[mine // k], (0, layer.h_pad - layer.hidden_size))
-            b13 = None if layer.w13_bias is None else layer.w13_bias[e]
-            out.append((e, mine, layer._gated(layer._gemm(xe, layer.w13[e], layer.w13_scale[e], b13))))
+            out.append((e, mine, x[mine // k]))
+    return out
+
+
+def _dense_groups(layer: Fp8Experts, x: torch.Tensor, first: int) -> list:
+    """Llama4's layout x [E, T, H]: (local expert, its nonzero rows in [E*T], those rows [m, H])."""
+    out = []
+    for e in range(layer.num_experts):
+        rows = x[first + e].ne(0).any(dim=-1).nonzero().flatten()
+        if rows.numel():
+            out.append((e, (first + e) * x.shape[1] + rows, x[first + e, rows]))
     return out
 
 
@@ -51,17 +58,31 @@ def _input_amax(layer: Fp8Experts, gated: list, split, state) -> list[torch.Tens
     return list(amax.split([g.shape[0] for _, _, g in gated]))
 
 
-def _slot_rows(layer: Fp8Experts, x: torch.Tensor, flat: torch.Tensor, k: int, split, state) -> torch.Tensor:
-    """float32 [T*k, H]: this rank's contribution to each slot's expert output (bias: see forward)."""
-    out = torch.zeros((flat.numel(), layer.hidden_size), dtype=torch.float32, device=x.device)
-    gated = _gated_inputs(layer, x, flat, k, split.experts[0])
-    for (e, mine, g), amax in zip(gated, _input_amax(layer, gated, split, state)):
+def _summed_rows(layer: Fp8Experts, groups: list, n: int, split, state, device: torch.device) -> torch.Tensor:
+    """float32 [n, H]: every rank's expert outputs for the rows of `groups`, summed over the group
+    (w2's bias: added here by its expert's owner (ep), after the sum by the caller (tp))."""
+    gated = []
+    for e, rows, x_e in groups:
+        b13 = None if layer.w13_bias is None else layer.w13_bias[e]
+        x_e = nn.functional.pad(x_e, (0, layer.h_pad - layer.hidden_size))
+        gated.append((e, rows, layer._gated(layer._gemm(x_e, layer.w13[e], layer.w13_scale[e], b13))))
+    out = torch.zeros((n, layer.hidden_size), dtype=torch.float32, device=device)
+    for (e, rows, g), amax in zip(gated, _input_amax(layer, gated, split, state)):
         g_q, g_s = quantize_activation(g, layer.act_kind, amax=amax)
         y = exact_matmul(g_q, g_s, layer.w2[e], layer.w2_scale[e], layer.scheme).float()
         if split.mode == "ep" and layer.w2_bias is not None:
             y = y + layer.w2_bias[e].float()
-        out[mine] = y[:, :layer.hidden_size]
+        out[rows] = y[:, :layer.hidden_size]
+    state.collective(lambda: dist.all_reduce(out, op=dist.ReduceOp.SUM, group=state.group), f"{layer.name} output")
     return out
+
+
+def _tp_bias(layer: Fp8Experts, split, out: torch.Tensor, expert: torch.Tensor, used: torch.Tensor
+             ) -> torch.Tensor:
+    """TP inside the experts: w2's bias of each row's `expert [n]`, once, on the rows `used [n]`."""
+    if split.mode != "tp" or layer.w2_bias is None:
+        return out
+    return torch.where(used.unsqueeze(-1), out + layer.w2_bias[expert, :layer.hidden_size].float(), out)
 
 
 def _forward(layer: Fp8Experts, split, state):
@@ -69,6 +90,13 @@ def _forward(layer: Fp8Experts, split, state):
                 top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
         if layer.backend is None:
             raise RuntimeError(f"Fp8Experts {layer.name} has no weights yet: call load_ first")
+        if layer.dense_input:
+            x = hidden_states.reshape(split.num_experts, -1, layer.hidden_size)
+            out = _summed_rows(layer, _dense_groups(layer, x, split.experts[0]), x.shape[0] * x.shape[1], split,
+                               state, x.device)
+            expert = torch.arange(split.num_experts, device=x.device).repeat_interleave(x.shape[1])
+            out = _tp_bias(layer, split, out, expert, x.ne(0).any(dim=-1).reshape(-1))
+            return out.to(hidden_states.dtype).reshape(hidden_states.shape)
         if top_k_index is None or top_k_weights is None:
             raise ValueError(f"{layer.name}: forward needs top_k_index and top_k_weights")
         x = hidden_states.reshape(-1, layer.hidden_size)
@@ -76,12 +104,10 @@ def _forward(layer: Fp8Experts, split, state):
         flat = top_k_index.reshape(-1)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= split.num_experts):
             raise ValueError(f"{layer.name}: expert index out of range [0, {split.num_experts})")
-        rows = _slot_rows(layer, x, flat, k, split, state)
-        state.collective(lambda: dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=state.group),
-                         f"{layer.name} output")
-        if split.mode == "tp" and layer.w2_bias is not None:
-            rows = rows + layer.w2_bias[flat, :layer.hidden_size].float()
-        return combine(rows.to(hidden_states.dtype), top_k_weights).to(hidden_states.dtype)
+        groups = _routed_groups(layer, x, flat, k, split.experts[0])
+        out = _summed_rows(layer, groups, flat.numel(), split, state, x.device)
+        out = _tp_bias(layer, split, out, flat, torch.ones_like(flat, dtype=torch.bool))
+        return combine(out.to(hidden_states.dtype), top_k_weights).to(hidden_states.dtype)
 
     return forward
 
