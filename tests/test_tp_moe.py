@@ -239,10 +239,11 @@ def test_experts_plan_errors_without_processes(tmp_path):
         _split(model, names[0], layer, "ep", 3, 0)
     with pytest.raises(ValueError, match=r"expert intermediate size\): dim of 128 does not split evenly over 3"):
         _split(model, names[0], layer, "tp", 3, 0)
-    llama4, load4 = _meta_model("llama4_text")  # no expert-parallel plan: the even contiguous split
+    llama4, load4 = _meta_model("llama4_text")  # 5.25 gives it no expert-parallel plan, 5.17 does
     name4 = next(iter(load4.layers))
     split = _split(llama4, name4, load4.layers[name4][0], "ep", 2, 1)
-    assert split.experts == (2, 4) and split.placement.startswith("even contiguous split")
+    planned = "grouped_gemm" in (llama4._ep_plan or {}).values()
+    assert split.experts == (2, 4) and split.placement.startswith("transformers" if planned else "even contiguous")
     assert _split(model, names[0], layer, "ep", 2, 1).placement.startswith("transformers ep_plan grouped_gemm")
     ckpt = save_moe("qwen3_moe", tmp_path)
     with pytest.raises(ValueError, match="moe_parallel splits MoE experts across a tensor-parallel group"):
@@ -262,7 +263,8 @@ def test_gpt_oss_fused_experts_two_ranks(tmp_path):
 
 def test_llama4_dense_input_experts_two_ranks(tmp_path):
     """Llama4: fused transposed experts (gate and up halves read as two slices), router-scaled dense
-    input (its [E*T, H] rows summed over the group), no expert-parallel plan (even contiguous split)."""
+    input (its [E*T, H] rows summed over the group); transformers 5.25 has no expert-parallel plan for
+    it (the even contiguous split, the same placement)."""
     ckpt = save_moe("llama4_text", tmp_path, vocab_size=512)
     runs = ["ep:tensor:1", "tp:tensor:1", "tp:channel:0"]
     ranks = _spawn(2, "moe", ckpt, tmp_path / "out", ",".join(runs))
