@@ -19,6 +19,7 @@ import fp8now
 from fp8now import Fp8Config
 from fp8now.numerics import rel_diff
 from moe_tiny import save_moe
+from tiny import tiny_model
 from test_tp import _check_bytes, _rows, _spawn
 from tp_worker import IDS, experts_bytes, layer_bytes
 
@@ -248,6 +249,12 @@ def test_experts_plan_errors_without_processes(tmp_path):
     ckpt = save_moe("qwen3_moe", tmp_path)
     with pytest.raises(ValueError, match="moe_parallel splits MoE experts across a tensor-parallel group"):
         fp8now.load(ckpt, device="cpu", moe_parallel="ep")
+    dense = tmp_path / "dense"
+    tiny_model("llama").save_pretrained(dense)
+    fp8 = fp8now.save(fp8now.load(dense, Fp8Config(scheme="channel"), device="cpu")[0], tmp_path / "fp8",
+                      source=dense)
+    with pytest.raises(ValueError, match="FP8 checkpoint .quantization_config.: tp_plan is not supported"):
+        fp8now.load(fp8, device="cpu", tp_plan="auto")  # not silently loaded whole on every rank
 
 
 def test_gpt_oss_fused_experts_two_ranks(tmp_path):

@@ -257,6 +257,10 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
     model_dir = Path(model_dir)
     from .prequantized import load_prequantized, prequantized_config  # FP8 checkpoints: loaded as they are
     if (quantization := prequantized_config(model_dir)) is not None:
+        if tp_plan is not None or moe_parallel is not None:
+            raise ValueError(f"{model_dir} holds an FP8 checkpoint (quantization_config): tp_plan is not "
+                             "supported for pre-quantized loading yet; load the bf16 checkpoint with tp_plan, "
+                             "or this one without it")
         return load_prequantized(model_dir, quantization, config, device, dtype)
     model = build_skeleton(model_dir, dtype)
     files = checkpoint_files(model_dir)
