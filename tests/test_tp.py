@@ -169,22 +169,16 @@ def test_failing_rank_stops_the_others(tmp_path):
 
 
 def test_plan_errors_without_processes(tmp_path):
-    """No process group, MoE experts (not built yet), an unknown style: clear errors, nothing loaded."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    """No process group, an unknown style, a style on a parameter: clear errors, nothing loaded
+    (the MoE experts' plan errors are in test_tp_moe.py)."""
     from fp8now.tp_plan import resolve_plan
 
     ckpt = _save(tmp_path / "ckpt", "llama")
     with pytest.raises(RuntimeError, match="torchrun"):
         fp8now.load(ckpt, tp_plan="auto", device="cpu")
-    moe = AutoConfig.for_model("qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, num_experts=4,
-                               num_experts_per_tok=2, vocab_size=128, head_dim=32)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(moe)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts: MoE experts"):
-        resolve_plan(model, "auto")
     dense = build_skeleton(ckpt, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight: tensor-parallel style"):
+        resolve_plan(dense, {"model.layers.*.mlp.up_proj.weight": "colwise"})
     with pytest.raises(ValueError, match=r"style 'sideways' of model\.layers\.0\.mlp\.up_proj"):
         resolve_plan(dense, {"model.layers.*.mlp.up_proj": "sideways"})
 

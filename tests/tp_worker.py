@@ -19,6 +19,9 @@ PACKED_PHI3 = {"model.layers.*.self_attn.qkv_proj": "colwise_gather_output",
                "model.layers.*.self_attn.o_proj": "rowwise_split_input",
                "model.layers.*.mlp.gate_up_proj": "packed_colwise", "model.layers.*.mlp.down_proj": "rowwise",
                "lm_head": "colwise_gather_output"}
+# TP inside the experts only, in transformers 5.17's own vocabulary (attention and the rest stay whole).
+EXPERTS_ONLY = {"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                "model.layers.*.mlp.experts.down_proj": "rowwise", "model.layers.*.mlp.experts": "moe_tp_experts"}
 IDS = torch.tensor([[1, 17, 250, 3, 499, 42, 77, 128, 300, 5, 64, 411, 9, 2, 388, 120]])
 
 
@@ -76,6 +79,40 @@ def layer_bytes(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
             for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
 
 
+def experts_bytes(model) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Each FP8 experts layer's (w13 bytes, w13_scale, w2 bytes, w2_scale)."""
+    from fp8now.moe import Fp8Experts
+    return {n: (m.w13.view(torch.uint8).clone(), m.w13_scale.clone(), m.w2.view(torch.uint8).clone(),
+                m.w2_scale.clone()) for n, m in model.named_modules() if isinstance(m, Fp8Experts)}
+
+
+def _moe(ckpt: str, extra: str, log: list) -> dict:
+    """Every (mode, scheme, tp_invariant) of `extra` ("ep:tensor:0,tp:block:1,..."): bytes, logits, reads.
+    Mode "plan": the EXPERTS_ONLY plan dict, whose styles choose TP inside the experts. A fourth field
+    names a sibling checkpoint folder to load instead."""
+    import fp8now
+    from fp8now import Fp8Config
+
+    result: dict = {}
+    for run in extra.split(","):
+        mode, scheme, inv, *other = run.split(":")
+        log.clear()
+        folder = Path(ckpt).parent / other[0] if other else ckpt
+        try:
+            model, _ = fp8now.load(folder, Fp8Config(scheme=scheme, tp_invariant=inv == "1"), device="cpu",
+                                   measure_error=False, tp_plan=EXPERTS_ONLY if mode == "plan" else "auto",
+                                   moe_parallel=None if mode == "plan" else mode)
+        except (ValueError, RuntimeError) as e:
+            result[run] = (f"{type(e).__name__}: {e}", list(log))
+            continue
+        with torch.no_grad():
+            logits = model(IDS).logits.float()
+        tp = model._fp8now_tp
+        result[run] = (layer_bytes(model), experts_bytes(model), logits, list(log), tp.read_bytes,
+                       {n: s for n, s in tp.moe.splits.items()})
+    return result
+
+
 def _init(rank: int, size: int, port: int) -> None:
     torch.set_num_threads(1)  # several ranks share few cores: oversubscribed OpenMP threads crawl
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -121,6 +158,8 @@ def run(rank: int, size: int, port: int, scenario: str, ckpt: str, out: str, ext
                                    device="cpu", measure_error=False, tp_plan=plan)
             with torch.no_grad():
                 result[family] = (model(IDS).logits.float(), model._fp8now_tp.replicated)
+    elif scenario == "moe":
+        result = _moe(ckpt, extra, log)
     elif scenario == "unaligned":
         result["block"] = _error(lambda: fp8now.load(ckpt, Fp8Config(scheme="block"), device="cpu",
                                                      tp_plan="auto"))

@@ -228,7 +228,7 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
 def load(model_dir: str | Path, config: Fp8Config | None = None,
          device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16, *,
          measure_error: bool = True, tp_plan: str | dict[str, str] | None = None,
-         tp_group=None) -> tuple[nn.Module, LoadReport]:
+         tp_group=None, moe_parallel: str | None = None) -> tuple[nn.Module, LoadReport]:
     """Load a bf16/fp16/fp32 Hugging Face checkpoint folder with its block linears quantized to FP8.
 
     Builds the transformers model on the meta device, swaps the target linears for `Fp8Linear`,
@@ -241,6 +241,8 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
     `tp_plan="auto"` (the model's own transformers plan) or a dict {module pattern: style}, inside
     torchrun with torch.distributed initialised: each rank of `tp_group` (default: all) reads only
     its slice of every planned tensor and quantizes it to the bytes of that slice at TP=1 (SPEC §6).
+    MoE experts go by `moe_parallel`: "ep" (default: whole experts per rank) or "tp" (every expert
+    split across the ranks), or by the experts styles of a plan dict.
     """
     start = time.perf_counter()
     config = config or Fp8Config()
@@ -255,6 +257,10 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
     model_dir = Path(model_dir)
     from .prequantized import load_prequantized, prequantized_config  # FP8 checkpoints: loaded as they are
     if (quantization := prequantized_config(model_dir)) is not None:
+        if tp_plan is not None or moe_parallel is not None:
+            raise ValueError(f"{model_dir} holds an FP8 checkpoint (quantization_config): tp_plan is not "
+                             "supported for pre-quantized loading yet; load the bf16 checkpoint with tp_plan, "
+                             "or this one without it")
         return load_prequantized(model_dir, quantization, config, device, dtype)
     model = build_skeleton(model_dir, dtype)
     files = checkpoint_files(model_dir)
@@ -264,11 +270,14 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
         raise ValueError(f"{model_dir}: nothing to quantize: all {len(ignored)} linear layers are left "
                          f"alone (e.g. {ignored[0] if ignored else 'none found'}); loosen Fp8Config.ignore")
     swap_linears(model, targets, config, "meta", dtype)
-    tp = None if tp_plan is None else shard(model, tp_plan, config, tp_group)  # local shapes, on meta
+    if moe_parallel is not None and tp_plan is None:
+        raise ValueError("moe_parallel splits MoE experts across a tensor-parallel group: pass tp_plan too")
+    tp = None if tp_plan is None else shard(model, tp_plan, config, tp_group, experts.layers, moe_parallel)
     slots, alias_of, computed = model_slots(model)
     if tp is not None:
         tp.full_shapes_into(slots)
         model._fp8now_tp = tp
+        experts.tp = tp.moe
     experts.add_slots(slots)
     for name in keep_fp32_names(model, slots):
         slots[name].keep_fp32 = slots[name].kind == "param"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import numerics
 from .config import Fp8Config, Scheme
 from .decode_graphs import DecodeGraphs
 from .kernels import device_class, quantize_weight
@@ -60,6 +61,17 @@ def expert_act_kind(config: Fp8Config) -> str:
         raise ValueError("activation='tensor' does not apply to MoE experts: one scale over the tokens "
                          "routed to an expert would couple them; use activation='auto' or 'token'")
     return kind
+
+
+def combine(out: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Each token's routed outputs `out [T*k, H]` weighted and summed in a fixed order -> float32 [T, H]
+    (the same order whatever the batch, or the ranks that computed them: tp_moe_forward.py)."""
+    t, k = top_k_weights.shape
+    weighted = out.float().view(t, k, -1) * top_k_weights.float().unsqueeze(-1)
+    acc = weighted[:, 0]
+    for j in range(1, k):
+        acc = acc + weighted[:, j]
+    return acc
 
 
 class Fp8Experts(nn.Module):
@@ -132,9 +144,11 @@ class Fp8Experts(nn.Module):
         return w13, w2
 
     def load_(self, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None = None,
-              b2: torch.Tensor | None = None) -> None:
+              b2: torch.Tensor | None = None, amax: dict[str, torch.Tensor] | None = None) -> None:
         """Quantize float `w13 [E, 2I, H]`, `w2 [E, H, I]` (biases `[E, 2I]`, `[E, H]`) one expert at a
-        time; in place when storage exists (same tensors, same data_ptr), else created on w13's device."""
+        time; in place when storage exists (same tensors, same data_ptr), else created on w13's device.
+        `amax` {"w13"/"w2": [E, ...] numerics.weight_amax per expert}: scale amaxes to use instead of
+        measuring them (tensor parallelism inside the experts: the MAX over the group, SPEC §6)."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         check_float_weight(w13, f"{self.name}.w13", (e, 2 * i, h))
         check_float_weight(w2, f"{self.name}.w2", (e, h, i))
@@ -153,7 +167,11 @@ class Fp8Experts(nn.Module):
                                                             requires_grad=False))
             q_all, s_all = getattr(self, leaf), getattr(self, leaf + "_scale")
             for x in range(e):
-                q, s = quantize_weight(w[x], self.scheme, name=f"{self.name}.{leaf}[{x}]")
+                what = f"{self.name}.{leaf}[{x}]"
+                if amax is None or leaf not in amax:
+                    q, s = quantize_weight(w[x], self.scheme, name=what)
+                else:
+                    q, s = numerics.quantize_weight(w[x], self.scheme, name=what, amax=amax[leaf][x])
                 q_all.data[x].copy_(q)
                 s_all.data[x].copy_(s.reshape(s_all.shape[1:]))
         if has_bias:
@@ -225,7 +243,7 @@ class Fp8Experts(nn.Module):
         flat = top_k_index.reshape(-1)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_experts):
             raise ValueError(f"{self.name or 'Fp8Experts'}: expert index out of range [0, "
-                             f"{self.num_experts}) (expert parallelism is not supported yet)")
+                             f"{self.num_experts})")
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         out = torch.zeros((t * k, self.hidden_size), dtype=torch.float32, device=x.device)
@@ -235,11 +253,7 @@ class Fp8Experts(nn.Module):
                 slots = order[start:start + n]
                 out[slots] = self.expert_forward(e, x[slots // k]).float()
                 start += n
-        weighted = out.view(t, k, self.hidden_size) * top_k_weights.float().unsqueeze(-1)
-        acc = weighted[:, 0]
-        for j in range(1, k):  # a fixed order per token: batch-invariant
-            acc = acc + weighted[:, j]
-        return acc.to(hidden_states.dtype)
+        return combine(out, top_k_weights).to(hidden_states.dtype)
 
     def _dense_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Llama4 layout: x [E*T, H], expert e owns rows e*T..(e+1)*T; zero rows are skipped."""

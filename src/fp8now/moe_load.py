@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from copy import deepcopy
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -62,6 +63,7 @@ class ExpertsLoad:
         self.pending: dict[str, dict[str, object]] = {}       # layer -> fused leaf -> tensor or {key: tensor}
         self.rows: list[ExpertsRow] = []
         self._lookup: dict[str, bool] | None = None
+        self.tp = None   # tp_moe.ExpertsTp under tensor parallelism: which parts to read, how to quantize
 
     def add_slots(self, slots: dict[str, Slot]) -> None:
         """Replace the swapped layers' own FP8 params in `slots` by the transformers names they load from."""
@@ -105,17 +107,19 @@ class ExpertsLoad:
             raise ValueError(f"{path}: tensor {key!r} has dtype {st_dtype}; expected BF16, F16 or F32")
         self.parts.setdefault(renamed, {}).setdefault(pattern, []).append(key)
         self.pattern_of[key] = pattern
+        if self.tp is not None:
+            self.tp.claim(renamed, key, pattern)
         return renamed, True
 
     def check_parts(self, model_dir: Path) -> set[str]:
         """Every merged param has all its experts (one key per expert and source pattern); -> those names."""
         for fused, by_pattern in self.parts.items():
-            layer = self.layers[self.fused[fused][0]][0]
+            num_experts = self.fused[fused][1][0]   # all experts, whichever this rank holds
             converter = self.converter_of[next(iter(by_pattern))]
             for pattern in converter.source_patterns:
                 got = len(by_pattern.get(pattern, []))
-                if got != layer.num_experts:
-                    raise ValueError(f"{model_dir}: {fused} needs {layer.num_experts} tensors matching "
+                if got != num_experts:
+                    raise ValueError(f"{model_dir}: {fused} needs {num_experts} tensors matching "
                                      f"{pattern!r}, the checkpoint has {got}; it is incomplete or does not "
                                      "match config.json (re-download it)")
         return set(self.parts)
@@ -140,9 +144,10 @@ class ExpertsLoad:
         for lf, shape in leaves.items():
             check_float_weight(tensors[lf], f"{name}.{lf}", shape)
         w13, w2, b13, b2 = hf_to_fused(layout, *(tensors.get(lf) for lf in (*FUSED_LEAVES, *BIAS_LEAVES)))
+        load = layer.load_ if self.tp is None else partial(self.tp.load, layer)  # tp: SPEC §6 scales
         try:
-            layer.load_(w13.to(device), w2.to(device), *(None if b is None else b.to(device=device, dtype=dtype)
-                                                         for b in (b13, b2)))
+            load(w13.to(device), w2.to(device), *(None if b is None else b.to(device=device, dtype=dtype)
+                                                  for b in (b13, b2)))
         except ValueError as e:
             raise ValueError(f"{path}: experts {name}: {e}") from None
         self.rows.append(experts_row(layer, w13, w2, measure))
@@ -151,6 +156,7 @@ class ExpertsLoad:
         """A fused tensor: as stored, or merged from its parts by transformers' own converter."""
         if not isinstance(held, dict):
             return held
+        held = {k: t for k, t in held.items() if t is not None}  # None: another rank's expert, not read
         converter = deepcopy(self.converter_of[self.pattern_of[next(iter(held))]])
         for pattern in converter.source_patterns:
             for key in sorted((k for k in held if self.pattern_of[k] == pattern), key=_natural):

@@ -20,49 +20,9 @@ from .config import Fp8Config, Scheme
 from .hf import set_submodule, tied_names
 from .linear import Fp8Linear, check_float_weight
 from .tp_plan import STYLES, Style, check_heads, resolve_plan
+from .tp_slice import Slice, check_block, split_ranges
 from .tp_forward import check_invariant_backend, install
-
-
-BLOCK = 128  # block-scheme tile: slices must start on multiples of it (SPEC §6)
-
-
-@dataclass(frozen=True)
-class Slice:
-    """This rank's part of one checkpoint tensor: `ranges` along `dim`, concatenated."""
-
-    dim: int
-    ranges: tuple[tuple[int, int], ...]
-    full_shape: tuple[int, ...]
-
-    def of(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a full tensor (a view when it is one range)."""
-        parts = [t.narrow(self.dim, a, b - a) for a, b in self.ranges]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
-
-    def index(self, a: int, b: int) -> tuple[slice, ...]:
-        return (slice(None),) * self.dim + (slice(a, b),)
-
-
-def _ranges(n: int, size: int, rank: int, parts: int, what: str) -> tuple[tuple[int, int], ...]:
-    """Even split of each of `parts` stacked parts of a dim of length n."""
-    if n % (parts * size):
-        raise ValueError(f"{what}: dim of {n} does not split evenly over {size} tensor-parallel ranks"
-                         + (f" in {parts} packed parts" if parts > 1 else "")
-                         + "; use a TP size that divides it, or leave the module out of tp_plan")
-    part, step = n // parts, n // (parts * size)
-    return tuple((p * part + rank * step, p * part + (rank + 1) * step) for p in range(parts))
-
-
-def _check_block(name: str, sl: Slice) -> None:
-    """Block scales stay local only if every slice starts on a tile and spans whole tiles (or ends the dim)."""
-    full = sl.full_shape[sl.dim]
-    for a, b in sl.ranges:
-        if a % BLOCK or ((b - a) % BLOCK and b != full):
-            what = "rows" if sl.dim == 0 else "columns"
-            raise ValueError(f"{name}: block scheme under tensor parallelism needs each rank's {what} to start "
-                             f"on a multiple of {BLOCK}, but this rank holds {what} {a}:{b} of {full}; choose a "
-                             "TP size that keeps 128-aligned shards, the channel or tensor scheme, or ignore "
-                             "the layer")
+from .tp_moe import experts_names, shard_experts
 
 
 @dataclass
@@ -77,6 +37,8 @@ class TpState:
     styles: dict[str, Style] = field(default_factory=dict)        # module name -> style
     global_amax: dict[str, bool] = field(default_factory=dict)    # Fp8Linear name -> scale spans the split
     replicated: list[tuple[str, str]] = field(default_factory=list)
+    skip: set[str] = field(default_factory=set)                   # checkpoint keys of other ranks' experts
+    moe: object = None                                            # tp_moe.ExpertsTp
     read_bytes: int = 0
 
     @property
@@ -104,8 +66,9 @@ class TpState:
         return t
 
     def read_file(self, path, names: dict[str, str]):
-        """Yield (key, this rank's slice) for the keys of `names` (key -> model name) in one file; each
-        slice is copied out of the mapping, so nothing of the file stays mapped after the load."""
+        """Yield (key, this rank's slice) for the keys of `names` (key -> model name) in one file, (key,
+        None) for another rank's experts; each slice is copied out of the mapping, so nothing of the
+        file stays mapped after the load."""
         from safetensors import safe_open
 
         from .checkpoint import corrupt_error
@@ -113,7 +76,7 @@ class TpState:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for key, name in names.items():
-                    yield key, self.read(f, key, name).clone()
+                    yield key, None if key in self.skip else self.read(f, key, name).clone()
         except Exception as e:  # SafetensorError, OSError: the file cannot be used
             raise corrupt_error(path, e) from None
 
@@ -177,15 +140,17 @@ def _scale_spans_split(scheme: Scheme, split: str) -> bool:
     return scheme is Scheme.TENSOR or (scheme is Scheme.CHANNEL and split == "in")
 
 
-def shard(model: nn.Module, tp_plan: str | dict[str, str], config: Fp8Config, group=None) -> TpState:
-    """Give each planned module this rank's local shape (still on meta) and install the forward
+def shard(model: nn.Module, tp_plan: str | dict[str, str], config: Fp8Config, group=None,
+          experts: dict | None = None, moe_parallel: str | None = None) -> TpState:
+    """Give each planned module and each FP8 experts layer of `experts` ({name: (layer, layout)},
+    updated in place; tp_moe.py) this rank's local shape (still on meta) and install the forward
     collectives; -> the TpState the loader reads through. Raises before any data is read."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("tp_plan needs torch.distributed initialised: launch with torchrun and call "
                            "torch.distributed.init_process_group('nccl' or 'gloo') before fp8now.load")
     group = group or dist.group.WORLD
     state = TpState(group, dist.get_rank(group), dist.get_world_size(group), config.tp_invariant)
-    plan = resolve_plan(model, tp_plan)
+    plan = resolve_plan(model, tp_plan, experts_names(model))
     check_heads(model, plan, state.size)
     modules = dict(model.named_modules())
     for name, style_name in plan.items():
@@ -202,6 +167,7 @@ def shard(model: nn.Module, tp_plan: str | dict[str, str], config: Fp8Config, gr
     for name, style in state.styles.items():
         _resize(model, name, modules[name], state, config)
         install(model.get_submodule(name), name, style, state)
+    state.moe = shard_experts(model, tp_plan, experts if experts is not None else {}, moe_parallel, config, state)
     return state
 
 
@@ -210,13 +176,13 @@ def _module_slices(name: str, module: nn.Module, style: Style, state: TpState) -
     shape = tuple(module.weight.shape)
     dim = 1 if style.split == "in" else 0
     parts = style.packed if style.split == "out" else 1
-    out = {"weight": Slice(dim, _ranges(shape[dim], state.size, state.rank, parts, name), shape)}
+    out = {"weight": Slice(dim, split_ranges(shape[dim], state.size, state.rank, parts, name), shape)}
     bias = getattr(module, "bias", None)
     if bias is not None and style.split == "out":
         out["bias"] = Slice(0, out["weight"].ranges, (shape[0],))
     if isinstance(module, Fp8Linear):
         if module.scheme is Scheme.BLOCK:
-            _check_block(name, out["weight"])
+            check_block(name, out["weight"])
         state.global_amax[name] = _scale_spans_split(module.scheme, style.split)
     return out
 

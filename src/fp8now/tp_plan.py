@@ -4,6 +4,7 @@ and what their forward then needs (the styles of transformers 5.17 - 5.25, by na
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from torch import nn
@@ -34,13 +35,32 @@ STYLES: dict[str, Style] = {
 }
 
 
+# The parameters of a fused experts module that plans name (transformers 5.17 - 5.25).
+EXPERT_LEAVES = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+
+
 def generic_name(name: str) -> str:
     """`model.layers.3.mlp` -> `model.layers.*.mlp`, how transformers keys its plans."""
     return re.sub(r"\.\d+(\.|$)", r".*\1", name)
 
 
-def resolve_plan(model: nn.Module, tp_plan: str | dict[str, str]) -> dict[str, str]:
-    """Module name -> style name, from the model's own plan ("auto") or a user dict of the same form."""
+def expert_entries(plan: dict[str, str], experts: Iterable[str]) -> dict[str, str]:
+    """The entries of `plan` about MoE experts modules (the module, its fused parameters) or routers
+    (`ep_router`): tp_moe.py decides those; the other styles act on ordinary linears."""
+    generic = {generic_name(n) for n in experts}
+    out = {}
+    for key, style in plan.items():
+        owner, _, leaf = key.rpartition(".")
+        if (generic_name(key) in generic or (leaf in EXPERT_LEAVES and generic_name(owner) in generic)
+                or style == "ep_router"):
+            out[key] = style
+    return out
+
+
+def resolve_plan(model: nn.Module, tp_plan: str | dict[str, str], experts: Iterable[str] = ()
+                 ) -> dict[str, str]:
+    """Module name -> style name, from the model's own plan ("auto") or a user dict of the same form;
+    the entries about the MoE `experts` modules are left to tp_moe.py."""
     if tp_plan == "auto":
         plan = dict(getattr(model, "_tp_plan", None) or {})
         if not plan:
@@ -50,14 +70,13 @@ def resolve_plan(model: nn.Module, tp_plan: str | dict[str, str]) -> dict[str, s
         plan = dict(tp_plan)
     else:
         raise TypeError(f"tp_plan must be 'auto' or a dict of module pattern -> style, got {tp_plan!r}")
-    ep_plan = dict(getattr(model, "_ep_plan", None) or {})
+    for key in expert_entries(plan, experts):
+        del plan[key]
     modules = [name for name, _ in model.named_modules()]
-    params = {name for name, _ in model.named_parameters()}
-    for name in [*modules, *params]:
-        per_param = name in params and generic_name(name) in plan  # transformers' MoE expert styles
-        if per_param or name in ep_plan or generic_name(name) in ep_plan:
-            raise ValueError(f"{name}: MoE experts (expert parallelism, or TP inside experts) are not yet "
-                             "supported under tp_plan; issue 26's MoE part adds them")
+    for name, _ in model.named_parameters():
+        if generic_name(name) in plan or name in plan:
+            raise ValueError(f"{name}: tensor-parallel style {plan.get(name, plan.get(generic_name(name)))!r} "
+                             "on a parameter; fp8now splits linear and embedding modules and MoE experts")
     out: dict[str, str] = {}
     for name in modules:
         style = plan.get(name, plan.get(generic_name(name)))
@@ -65,7 +84,7 @@ def resolve_plan(model: nn.Module, tp_plan: str | dict[str, str]) -> dict[str, s
             continue
         if style not in STYLES:
             raise ValueError(f"tensor-parallel style {style!r} of {name} is not supported by fp8now yet "
-                             f"(known: {', '.join(STYLES)}); MoE expert styles arrive with issue 26's MoE part")
+                             f"(known: {', '.join(STYLES)})")
         out[name] = style
     return out
 

@@ -1,0 +1,280 @@
+"""MoE experts under tensor parallelism (SPEC §6) with real gloo collectives in 2 and 4 spawned processes:
+expert parallelism ("ep", whole experts per rank) and TP inside the experts ("tp").
+
+The reference is the TP=1 load of the same checkpoint in this process. Each rank's experts bytes and
+scales must equal the matching slice of it exactly (the slices are worked out here from the rank and
+the group size), each rank must read only its experts or slices, and the logits must equal TP=1.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import fp8now
+from fp8now import Fp8Config
+from fp8now.numerics import rel_diff
+from moe_tiny import save_moe
+from tiny import tiny_model
+from test_tp import _check_bytes, _rows, _spawn
+from tp_worker import IDS, experts_bytes, layer_bytes
+
+TOL = 1e-4       # tp_invariant: logits vs TP=1 (the dense TP tests' bound)
+DEFAULT = 2e-2   # without tp_invariant: row-parallel inputs quantized per shard (1e-4 - 8e-4 here)
+# Per-expert checkpoint keys: (expert, which matrix). gate/up (w1/w3) rows and down (w2) columns hold I.
+EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|w1|w3|down_proj|w2)\.weight$")
+# GPT-OSS and Llama4 store their experts fused and transposed ([E, H, 2I], [E, I, H]): the dim each
+# leaf's I is on (down_proj_bias has none). GPT-OSS interleaves gate and up (a rank's columns are one
+# run); Llama4 does not (two runs, one read each).
+FUSED_KEY = re.compile(r"\.experts\.(gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)$")
+FUSED_I_DIM = {"gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 1}
+
+
+def _ckpt(folder: Path, family: str, hidden: int, inter: int) -> Path:
+    inter_key = "moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size"
+    heads = hidden // 64 if hidden >= 256 else 4
+    return save_moe(family, folder, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads,
+                    head_dim=hidden // heads, vocab_size=512, **{inter_key: inter})
+
+
+def _expected(ref: tuple, scheme: str, mode: str, size: int, rank: int) -> tuple[torch.Tensor, ...]:
+    """The TP=1 experts tensors (w13, w13_scale, w2, w2_scale) rank `rank` must hold."""
+    w13, s13, w2, s2 = ref
+    if mode == "ep":
+        a, b = _rows(w13.shape[0], size, rank)
+        return w13[a:b], s13[a:b], w2[a:b], s2[a:b]
+    i = w2.shape[2]
+    a, b = _rows(i, size, rank)
+
+    def halves(t: torch.Tensor, lo: int, hi: int, whole: int) -> torch.Tensor:
+        return torch.cat([t[:, lo:hi], t[:, whole + lo:whole + hi]], dim=1)
+
+    w13, w2 = halves(w13, a, b, i), w2[:, :, a:b]
+    if scheme == "channel":
+        s13 = halves(s13, a, b, i)
+    elif scheme == "block":
+        s13, s2 = halves(s13, a // 128, b // 128, i // 128), s2[:, :, a // 128:b // 128]
+    return w13, s13, w2, s2
+
+
+def _check_reads(log: list, ckpt: Path, mode: str, size: int, rank: int, read_bytes: int) -> None:
+    """Experts keys: ep reads its experts whole and never another's; tp reads every expert's I slice."""
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    reads: dict[str, list] = {}
+    for key, index, nbytes in log:
+        reads.setdefault(key, []).append((index, nbytes))
+    assert read_bytes == sum(n for parts in reads.values() for _, n in parts)
+    for key, parts in reads.items():
+        fused = FUSED_KEY.search(key)
+        if fused is not None:
+            _check_fused_read([i for i, _ in parts], fused.group(1), shapes[key], mode, size, rank)
+        else:
+            assert len(parts) == 1, f"{key} read twice"
+    seen = {key: parts[0] for key, parts in reads.items()}
+    num_experts = 1 + max((int(m.group(1)) for k in shapes if (m := EXPERT_KEY.search(k))), default=0)
+    first, last = _rows(num_experts, size, rank)
+    for key, shape in shapes.items():
+        match = EXPERT_KEY.search(key)
+        if match is None:
+            assert key in seen, key
+            continue
+        expert, which = int(match.group(1)), match.group(2)
+        if mode == "ep":
+            assert (key in seen) == (first <= expert < last), (key, rank)
+            assert key not in seen or seen[key] == ("full", 2 * shape[0] * shape[1]), key
+            continue
+        dim = 1 if which in ("down_proj", "w2") else 0
+        index, nbytes = seen[key]
+        assert index[dim] == slice(*_rows(shape[dim], size, rank)) and index[:dim] == (slice(None),) * dim, key
+        assert nbytes == 2 * shape[0] * shape[1] // size, key
+
+
+def _check_fused_read(indexes: list, leaf: str, shape: list[int], mode: str, size: int, rank: int) -> None:
+    """ep: this rank's experts (dim 0); tp: this rank's I range (of the gate half and of the up half)."""
+    if mode == "ep":
+        assert indexes == [(slice(*_rows(shape[0], size, rank)),)], (leaf, indexes)
+        return
+    if leaf == "down_proj_bias":
+        assert indexes == ["full"], (leaf, indexes)
+        return
+    dim = FUSED_I_DIM[leaf]
+    whole = (slice(None),) * dim
+    if leaf == "down_proj":
+        want = [(*whole, slice(*_rows(shape[dim], size, rank)))]
+    elif len(indexes) == 1:  # interleaved (GPT-OSS): gate_j, up_j for j in this rank's range
+        a, b = _rows(shape[dim] // 2, size, rank)
+        want = [(*whole, slice(2 * a, 2 * b))]
+    else:
+        i = shape[dim] // 2
+        a, b = _rows(i, size, rank)
+        want = [(*whole, slice(a, b)), (*whole, slice(i + a, i + b))]
+    assert indexes == want, (leaf, indexes, want)
+
+
+def _check_run(ckpt: Path, ranks: list[dict], run: str, refs: dict, dense_split: bool = True) -> float:
+    """Bytes, reads and logits of one `mode:scheme:invariant` run on every rank; -> the worst rel_diff.
+    `dense_split`: the model's own plan splits the attention (else, and for "plan" runs, it stays whole)."""
+    mode, scheme, inv = run.split(":")
+    ref_layers, ref_experts, ref_logits = refs[scheme]
+    mode = "tp" if mode == "plan" else mode
+    worst = 0.0
+    for rank, result in enumerate(ranks):
+        assert not isinstance(result[run][0], str), result[run][0]
+        layers, experts, logits, log, read_bytes, splits = result[run]
+        assert set(experts) == set(ref_experts)
+        for name, ref in ref_experts.items():
+            want = _expected(ref, scheme, mode, len(ranks), rank)
+            for got, expect in zip(experts[name], want):
+                assert torch.equal(got, expect), (run, rank, name)
+            assert splits[name].mode == mode
+        if dense_split and not run.startswith("plan"):
+            _check_bytes(ref_layers, [r[run][0] for r in ranks], scheme)
+        else:
+            assert all(torch.equal(layers[n][0], q) and torch.equal(layers[n][1], s)
+                       for n, (q, s) in ref_layers.items()) and set(layers) == set(ref_layers)
+        _check_reads(log, ckpt, mode, len(ranks), rank, read_bytes)
+        worst = max(worst, rel_diff(logits, ref_logits))
+    assert worst < (TOL if inv == "1" else DEFAULT), (run, worst)
+    return worst
+
+
+def _refs(ckpt: Path, schemes) -> dict:
+    out = {}
+    for scheme in schemes:
+        model, _ = fp8now.load(ckpt, Fp8Config(scheme=scheme), device="cpu", measure_error=False)
+        with torch.no_grad():
+            out[scheme] = (layer_bytes(model), experts_bytes(model), model(IDS).logits.float())
+    return out
+
+
+def test_qwen3_moe_two_ranks_every_scheme(tmp_path):
+    """Qwen3-MoE at 2 ranks, 128-aligned shards: ep and tp, every scheme, with tp_invariant (rel_diff <
+    1e-4) and without (stated bound); tp also through a plan dict in transformers' own expert styles."""
+    ckpt = _ckpt(tmp_path, "qwen3_moe", hidden=256, inter=256)
+    _nan_checkpoint(tmp_path / "nan")
+    runs = [f"{m}:{s}:1" for m in ("ep", "tp") for s in ("tensor", "channel", "block")]
+    runs += ["ep:channel:0", "tp:channel:0", "plan:block:0"]
+    ranks = _spawn(2, "moe", ckpt, tmp_path / "out", ",".join([*runs, "ep:channel:0:nan", "tp:channel:0:nan"]))
+    refs = _refs(ckpt, ("tensor", "channel", "block"))
+    diffs = {run: _check_run(ckpt, ranks, run, refs) for run in runs}
+    print("logits rel_diff vs TP=1:", diffs)
+    for mode in ("ep", "tp"):  # the NaN sits in rank 1's expert (ep) or in rank 1's half of it (tp)
+        (e0, _), (e1, _) = (r[f"{mode}:channel:0:nan"] for r in ranks)
+        assert e1.startswith("ValueError") and "NaN" in e1 and "model.layers.1.mlp.experts" in e1, e1
+        assert e0.startswith("RuntimeError") and "rank 1 failed" in e0 and "NaN" in e0, e0
+        assert "experts model.layers.1.mlp.experts" in e0, e0
+
+
+def _nan_checkpoint(folder: Path) -> None:
+    """The Qwen3-MoE of _ckpt with one NaN in expert 5's down_proj, in its last intermediate column."""
+    from moe_tiny import moe_model
+
+    model = moe_model("qwen3_moe", hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+                      vocab_size=512, moe_intermediate_size=256)
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.down_proj[5, 7, 255] = float("nan")
+    model.save_pretrained(folder)
+
+
+def test_mixtral_four_ranks(tmp_path):
+    """Mixtral (per-expert w1/w2/w3 keys renamed by transformers' rules) at 4 ranks: one expert per rank
+    (ep) or a quarter of every expert (tp); unaligned block shards refused before any read."""
+    ckpt = _ckpt(tmp_path, "mixtral", hidden=128, inter=128)
+    runs = ["ep:tensor:1", "tp:channel:1", "tp:tensor:0", "ep:channel:0"]
+    ranks = _spawn(4, "moe", ckpt, tmp_path / "out", ",".join([*runs, "plan:block:1"]))
+    refs = _refs(ckpt, ("tensor", "channel"))
+    diffs = {run: _check_run(ckpt, ranks, run, refs) for run in runs}
+    print("logits rel_diff vs TP=1:", diffs)
+    for rank, result in enumerate(ranks):
+        error, log = result["plan:block:1"]
+        assert error.startswith("ValueError") and "multiple of 128" in error, error
+        assert "model.layers.0.mlp.experts" in error and f"{32 * rank}:{32 * (rank + 1)}" in error, error
+        assert log == []
+
+
+def _meta_model(family: str):
+    """The CausalLM of a tiny config on the meta device, its experts swapped for meta Fp8Experts."""
+    from fp8now.moe_load import ExpertsLoad
+    from moe_tiny import moe_config
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(moe_config(family))
+    return model, ExpertsLoad(model, Fp8Config())
+
+
+def test_experts_plan_errors_without_processes(tmp_path):
+    """moe_parallel's values, plan dicts that contradict it or themselves, unknown expert styles, experts
+    that do not split evenly: clear errors naming what to change. Placement: transformers' plan where
+    the family has one (Shard(0)), else the same even contiguous split."""
+    from fp8now.tp_moe import _split, experts_mode
+    from fp8now.tp_plan import resolve_plan
+
+    model, load = _meta_model("qwen3_moe")
+    names = list(load.layers)
+    gate_up, down = "model.layers.*.mlp.experts.gate_up_proj", "model.layers.*.mlp.experts.down_proj"
+    # transformers' own plans: 5.17 put TP inside the experts in tp_plan, 5.25 EP in ep_plan; "auto" asks neither
+    assert experts_mode("auto", names, None) == "ep" and experts_mode("auto", names, "tp") == "tp"
+    assert experts_mode({gate_up: "packed_colwise", down: "rowwise"}, names, None) == "tp"
+    assert experts_mode({gate_up: "grouped_gemm", down: "grouped_gemm",
+                         "model.layers.*.mlp.experts": "ep_dispatch_experts"}, names, None) == "ep"
+    with pytest.raises(ValueError, match="moe_parallel must be 'ep'"):
+        experts_mode("auto", names, "expert")
+    with pytest.raises(ValueError, match="tp on the MoE experts but moe_parallel='ep'"):
+        experts_mode({gate_up: "packed_colwise"}, names, "ep")
+    with pytest.raises(ValueError, match="ep and tp on the MoE experts"):
+        experts_mode({gate_up: "packed_colwise", down: "grouped_gemm"}, names, None)
+    with pytest.raises(ValueError, match=r"style 'sideways' of model\.layers\.\*\.mlp\.experts\.down_proj"):
+        experts_mode({down: "sideways"}, names, None)
+    # a 5.17-style plan with the expert entries: the dense plan keeps only the attention
+    plan = {"model.layers.*.self_attn.q_proj": "colwise", gate_up: "packed_colwise", down: "rowwise",
+            "model.layers.*.mlp.experts": "moe_tp_experts", "model.layers.*.mlp.gate": "ep_router"}
+    assert set(resolve_plan(model, plan, names)) == {f"model.layers.{i}.self_attn.q_proj" for i in range(2)}
+    layer = load.layers[names[0]][0]
+    with pytest.raises(ValueError, match=r"mlp\.experts: 8 experts do not split evenly over 3 expert-parallel"):
+        _split(model, names[0], layer, "ep", 3, 0)
+    with pytest.raises(ValueError, match=r"expert intermediate size\): dim of 128 does not split evenly over 3"):
+        _split(model, names[0], layer, "tp", 3, 0)
+    llama4, load4 = _meta_model("llama4_text")  # 5.25 gives it no expert-parallel plan, 5.17 does
+    name4 = next(iter(load4.layers))
+    split = _split(llama4, name4, load4.layers[name4][0], "ep", 2, 1)
+    planned = "grouped_gemm" in (llama4._ep_plan or {}).values()
+    assert split.experts == (2, 4) and split.placement.startswith("transformers" if planned else "even contiguous")
+    assert _split(model, names[0], layer, "ep", 2, 1).placement.startswith("transformers ep_plan grouped_gemm")
+    ckpt = save_moe("qwen3_moe", tmp_path)
+    with pytest.raises(ValueError, match="moe_parallel splits MoE experts across a tensor-parallel group"):
+        fp8now.load(ckpt, device="cpu", moe_parallel="ep")
+    dense = tmp_path / "dense"
+    tiny_model("llama").save_pretrained(dense)
+    fp8 = fp8now.save(fp8now.load(dense, Fp8Config(scheme="channel"), device="cpu")[0], tmp_path / "fp8",
+                      source=dense)
+    with pytest.raises(ValueError, match="FP8 checkpoint .quantization_config.: tp_plan is not supported"):
+        fp8now.load(fp8, device="cpu", tp_plan="auto")  # not silently loaded whole on every rank
+
+
+def test_gpt_oss_fused_experts_two_ranks(tmp_path):
+    """GPT-OSS keeps its experts fused on disk ([E, H, 2I], gate/up interleaved, biases): each rank reads
+    its slice of the fused tensors (get_slice), down_proj's bias is added once after the sum."""
+    ckpt = save_moe("gpt_oss", tmp_path, vocab_size=512)
+    runs = ["ep:tensor:1", "tp:tensor:1", "tp:channel:1", "tp:channel:0"]
+    ranks = _spawn(2, "moe", ckpt, tmp_path / "out", ",".join(runs))
+    refs = _refs(ckpt, ("tensor", "channel"))
+    diffs = {run: _check_run(ckpt, ranks, run, refs, dense_split=False) for run in runs}
+    print("logits rel_diff vs TP=1:", diffs)
+
+
+def test_llama4_dense_input_experts_two_ranks(tmp_path):
+    """Llama4: fused transposed experts (gate and up halves read as two slices), router-scaled dense
+    input (its [E*T, H] rows summed over the group); transformers 5.25 has no expert-parallel plan for
+    it (the even contiguous split, the same placement)."""
+    ckpt = save_moe("llama4_text", tmp_path, vocab_size=512)
+    runs = ["ep:tensor:1", "tp:tensor:1", "tp:channel:0"]
+    ranks = _spawn(2, "moe", ckpt, tmp_path / "out", ",".join(runs))
+    refs = _refs(ckpt, ("tensor", "channel"))
+    diffs = {run: _check_run(ckpt, ranks, run, refs) for run in runs}
+    print("logits rel_diff vs TP=1:", diffs)
