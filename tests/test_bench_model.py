@@ -148,3 +148,33 @@ def test_ratio_table_and_bad_options():
                        (["--decode", "0"], "at least 1")):
         with pytest.raises(ValueError, match=match):
             options(p.parse_args(bad))
+
+
+def test_random_checkpoint_round_trips_and_presets_are_reused(tmp_path):
+    """write_random's folder (sharded) loads in transformers with exactly the seeded weights, and in
+    fp8now; a preset folder is written once and then reused."""
+    from transformers import AutoModelForCausalLM
+
+    from fp8now import load
+    from fp8now.bench_presets import fill_random_, preset_dir, write_random
+    from moe_tiny import moe_config
+
+    config = moe_config("qwen3_moe")
+    folder = write_random(config, tmp_path / "moe", "cpu", seed=5)
+    loaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16)
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    fill_random_(fresh, "cpu", seed=5)
+    got, want = dict(loaded.named_parameters()), dict(fresh.named_parameters())
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert len({float(want[k].detach().float().std()) for k in want}) > len(want) // 2   # varied, not constant
+    rows = want["model.layers.0.self_attn.q_proj.weight"].detach().float().norm(dim=1)
+    assert rows.max() > 2 * rows.min()                                          # rows of varied magnitude
+    assert not list(tmp_path.glob(".tmp*"))
+    model, report = load(folder, device="cpu", measure_error=False)
+    assert report.experts and len(report.layers) == 2 * 4                        # q, k, v, o per layer
+
+    first = preset_dir("tiny", tmp_path / "work", 1, "cpu")
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert preset_dir("tiny", tmp_path / "work", 1, "cpu") == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert json.loads((first / "config.json").read_text())["num_hidden_layers"] == 1

@@ -90,14 +90,13 @@ def fill_random_(model: torch.nn.Module, device: torch.device | str, seed: int =
             del value
 
 
-def write_preset(name: str, folder: Path, layers: int | None, device: torch.device | str,
-                 seed: int = 0) -> Path:
-    """Write preset `name` into the new folder `folder` (config.json + sharded safetensors)."""
+def write_random(config, folder: Path, device: torch.device | str, seed: int = 0) -> Path:
+    """Write the CausalLM of transformers `config` with fill_random_'s weights into the new folder
+    `folder` (config.json + safetensors shards of SHARD_SIZE)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    config = preset_config(name, layers)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.to_empty(device="cpu")              # the one host copy, filled tensor by tensor
@@ -127,7 +126,7 @@ def preset_dir(name: str, workdir: str | os.PathLike, layers: int | None, device
     if log:
         log(f"writing preset {name} ({layers} layers, random weights) to {target}")
     try:
-        write_preset(name, tmp, layers, device, seed)
+        write_random(preset_config(name, layers), tmp, device, seed)
         (tmp / STAMP_FILE).write_text(json.dumps(stamp))
         if target.exists():
             shutil.rmtree(target)
