@@ -42,12 +42,10 @@ Loader = Callable[[Path, torch.device], tuple[nn.Module, object]]
 
 
 def bf16_loader(folder: Path, device: torch.device) -> tuple[nn.Module, None]:
-    """Plain transformers: `from_pretrained` in bf16, straight onto the device."""
-    from transformers import AutoModelForCausalLM
+    """Plain transformers: `from_pretrained` in bf16, straight onto the device (evaluate.load_bf16)."""
+    from .evaluate import load_bf16
 
-    kw = {"device_map": str(device)} if device.type == "cuda" else {}
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16, **kw)
-    return model.to(device).eval(), None
+    return load_bf16(folder, device), None
 
 
 def fp8now_loader(scheme: str) -> Loader:

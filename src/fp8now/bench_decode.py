@@ -41,6 +41,8 @@ def decode_step(model: nn.Module, batch: int, context: int, vocab: int, seed: in
     if not counters or not all(isinstance(c, torch.Tensor) for c in counters):
         raise RuntimeError("this transformers' StaticCache keeps no position tensor per layer "
                            "(cumulative_length), so the step cannot rewrite one slot on every call")
+    for c in counters:   # torch.compile's CUDA graphs then take the step's writes to them as their own
+        torch._dynamo.mark_static_address(c)
     starts = [torch.full_like(c, context) for c in counters]
     ids = random_ids((batch, 1), vocab, seed + 7, device)
     step_pos = torch.full((1,), context, device=device)
@@ -75,8 +77,14 @@ def captured(step: Callable[[], torch.Tensor], mode: str, device: torch.device) 
             step()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    try:
+        with torch.cuda.graph(graph):
+            out = step()
+    except RuntimeError as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise RuntimeError(f"the decode step cannot be captured in one CUDA graph ({first}): a forward that "
+                           "waits on the host (e.g. data-dependent expert routing) cannot be; --decode-mode "
+                           "eager or compile measures it") from e
 
     def replay() -> torch.Tensor:
         graph.replay()
