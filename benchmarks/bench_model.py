@@ -33,6 +33,7 @@ import torch
 
 import record
 from bench_linear import TORCHAO_ACCUM
+from timing import kernels_of
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -56,6 +57,30 @@ def torchao_loader(fast_accum: bool):
             filter_fn=lambda module, fqn: fqn in targets)
         return model, None
     return load
+
+
+# Kernel families by name (torch.profiler's CUDA kernel names), first match wins.
+KERNEL_KINDS = (
+    ("quantizer", ("_quant_kernel", "_amax_kernel")),
+    ("fp8now GEMM", ("_decode_kernel", "_rowwise_gemm_kernel", "_block_gemm_kernel", "_split_reduce_kernel")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
+    ("cuBLAS/CUTLASS GEMM", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "sm90", "matmul", "cublas")),
+)
+
+
+def kernel_times(fn) -> dict:
+    """{"kernels": GPU µs per call of fn per kernel family, and the 8 longest kernels} (torch.profiler):
+    where the time of a prefill or decode row goes."""
+    kinds: dict[str, float] = {}
+    top = []
+    for key, us in kernels_of(fn):
+        low = key.lower()
+        kind = next((k for k, pats in KERNEL_KINDS if any(p.lower() in low for p in pats)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + us
+        top.append((us, key))
+    top.sort(reverse=True)
+    return {"kernels": dict(kinds={k: round(v, 1) for k, v in kinds.items()},
+                            top=[dict(name=n, us=round(t, 1)) for t, n in top[:8]])}
 
 
 def implementations(args) -> dict:
@@ -102,14 +127,18 @@ def main() -> None:
     ap.add_argument("--torchao-accum", default="both", choices=sorted(TORCHAO_ACCUM),
                     help="torchao-row (fast, its default), torchao-row-f32acc (f32), or both (default)")
     ap.add_argument("--impls", default="", help="only these implementations, e.g. bf16,fp8now-channel")
-    ap.add_argument("--add", action="store_true", help="keep the rows of --out for other (model, impl) "
-                    "pairs (same commit and GPU): a run split over several calls")
+    ap.add_argument("--profile", action="store_true", help="GPU time per kernel family of every prefill and "
+                    "decode row (torch.profiler; CUDA only)")
+    ap.add_argument("--add", action="store_true", help="keep the rows of --out (same commit and GPU) but those "
+                    "this call measures again (model, impl, phase): a run split over several calls")
     add_arguments(ap)
     args = ap.parse_args()
     opts = options(args)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_model.py needs a CUDA GPU (or --device cpu, e.g. with the tiny preset)")
+    if args.profile and device.type != "cuda":
+        sys.exit("--profile times CUDA kernels: it needs --device cuda")
     impls = implementations(args)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fp8now-bench-"))
     info, rows = record.meta(args.device), []
@@ -125,9 +154,11 @@ def main() -> None:
             def log(text: str, arg=arg) -> None:
                 print(f"[{time.strftime('%H:%M:%S')}] {arg}: {text}", file=sys.stderr, flush=True)
             name, folder = bench_model_dir(arg, workdir, args.layers, device, log=log)
-            rows[:] = [r for r in rows if not (r["model"] == name and r["impl"] in impls)]  # --add: replaced
+            rows[:] = [r for r in rows if not (r["model"] == name and r["impl"] in impls  # --add: measured again
+                                               and r["phase"] in opts.phases)]
             path, key = reference_file(workdir, name, folder, opts)
-            result = measure(name, folder, impls, device, opts, emit, log, stored_reference(path, key))
+            result = measure(name, folder, impls, device, opts, emit, log, stored_reference(path, key),
+                             kernel_times if args.profile else None)
             if result["reference"] is not None:
                 torch.save({"key": key, "logits": result["reference"]}, path)
     finally:

@@ -149,8 +149,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
 
 
-def _cases(opts: Options, model: nn.Module, ref: list | None, prompts: list, vocab: int, device: torch.device):
-    """(phase, batch, seq, measure() -> row fields) of every measurement after the load, in order."""
+def _cases(opts: Options, model: nn.Module, ref: list | None, prompts: list, vocab: int, device: torch.device,
+           profile: Callable[[Callable[[], object]], dict] | None):
+    """(phase, batch, seq, measure() -> row fields) of every measurement after the load, in order;
+    `profile(call)` adds its fields to the prefill and decode rows (e.g. GPU time per kernel)."""
     mode = opts.decode_mode or ("graph" if device.type == "cuda" else "eager")
 
     def accuracy():
@@ -161,8 +163,9 @@ def _cases(opts: Options, model: nn.Module, ref: list | None, prompts: list, voc
     def prefill(b, t):
         ids = random_ids((b, t), vocab, opts.seed + b * 10007 + t, device)
         with torch.inference_mode():
-            s = median_seconds(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1), device, opts.reps)
-        return {"tokens_per_s": b * t / s, "seconds": s}
+            call = lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1)  # noqa: E731
+            s = median_seconds(call, device, opts.reps)
+            return {"tokens_per_s": b * t / s, "seconds": s, **(profile(call) if profile else {})}
 
     def decode(b):
         step = decode_step(model, b, opts.context, vocab, opts.seed + b, device)
@@ -170,7 +173,8 @@ def _cases(opts: Options, model: nn.Module, ref: list | None, prompts: list, voc
         timed = captured(step, mode, device)
         check = rel(timed(), eager)
         s = median_seconds(timed, device, 4 * opts.reps)   # steps are short: more of them
-        return {"tokens_per_s": b / s, "seconds": s, "mode": mode, "rel_to_eager": check}
+        return {"tokens_per_s": b / s, "seconds": s, "mode": mode, "rel_to_eager": check,
+                **(profile(timed) if profile else {})}
 
     if "accuracy" in opts.phases and ref is not None:
         yield "accuracy", len(prompts), max(len(p) for p in prompts), accuracy
@@ -184,10 +188,12 @@ def _cases(opts: Options, model: nn.Module, ref: list | None, prompts: list, voc
 
 def measure(model_name: str, folder: Path, impls: dict[str, Loader], device: torch.device, opts: Options,
             emit: Callable[[dict], None], log: Callable[[str], None] = lambda s: None,
-            reference: list[torch.Tensor] | None = None) -> dict:
+            reference: list[torch.Tensor] | None = None,
+            profile: Callable[[Callable[[], object]], dict] | None = None) -> dict:
     """Measure every implementation in turn (bf16 first if present); `emit` gets each row as it is made.
     `reference`: bf16 logits of `prompt_set` from an earlier run, else bf16 is loaded to make them when
-    an accuracy row needs them. Returns {"reports": {impl: LoadReport}, "reference": bf16 logits}."""
+    an accuracy row needs them; `profile`: see _cases. Returns {"reports": {impl: LoadReport},
+    "reference": bf16 logits}."""
     from .hf import read_config
 
     vocab = read_config(folder).get_text_config().vocab_size
@@ -220,7 +226,7 @@ def measure(model_name: str, folder: Path, impls: dict[str, Loader], device: tor
         if name == "bf16" and prompts:
             reference = logits_of(model, prompts, device)
         for phase, batch, seq, run in _cases(opts, model, None if name == "bf16" else reference, prompts,
-                                             vocab, device):
+                                             vocab, device, profile):
             log(f"{name}: {phase} B={batch} T={seq}")
             free(device)
             reset_peak(device)
