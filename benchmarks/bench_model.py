@@ -113,7 +113,7 @@ def stored_reference(path: Path, key: dict):
 
 
 def main() -> None:
-    from fp8now.bench import measure, ratio_table
+    from fp8now.bench import decode_mode, measure, ratio_table
     from fp8now.bench_args import add_arguments, options
     from fp8now.bench_presets import NAMES, bench_model_dir
 
@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="GPU time per kernel family of every prefill and "
                     "decode row (torch.profiler; CUDA only)")
     ap.add_argument("--add", action="store_true", help="keep the rows of --out (same commit and GPU) but those "
-                    "this call measures again (model, impl, phase): a run split over several calls")
+                    "this call measures again (model, impl, phase, decode mode): a run split over several calls")
     add_arguments(ap)
     args = ap.parse_args()
     opts = options(args)
@@ -140,6 +140,7 @@ def main() -> None:
     if args.profile and device.type != "cuda":
         sys.exit("--profile times CUDA kernels: it needs --device cuda")
     impls = implementations(args)
+    mode = decode_mode(opts, device)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fp8now-bench-"))
     info, rows = record.meta(args.device), []
     if args.add:
@@ -155,7 +156,7 @@ def main() -> None:
                 print(f"[{time.strftime('%H:%M:%S')}] {arg}: {text}", file=sys.stderr, flush=True)
             name, folder = bench_model_dir(arg, workdir, args.layers, device, log=log)
             rows[:] = [r for r in rows if not (r["model"] == name and r["impl"] in impls  # --add: measured again
-                                               and r["phase"] in opts.phases)]
+                                               and r["phase"] in opts.phases and r.get("mode") in (None, mode))]
             path, key = reference_file(workdir, name, folder, opts)
             result = measure(name, folder, impls, device, opts, emit, log, stored_reference(path, key),
                              kernel_times if args.profile else None)

@@ -138,10 +138,13 @@ def test_ratio_table_and_bad_options():
     base = dict(model="m", batch=8, seq=2048, peak_gb=1.0)
     rows = [dict(base, impl="bf16", phase="prefill", tokens_per_s=1000.0, seconds=16.4),
             dict(base, impl="fp8", phase="prefill", tokens_per_s=1500.0, seconds=10.9),
-            dict(base, impl="fp8", phase="decode", batch=1, seq=512, error="RuntimeError: capture")]
+            dict(base, impl="fp8", phase="decode", batch=1, seq=512, error="RuntimeError: capture"),
+            dict(base, impl="bf16", phase="decode", batch=1, seq=512, mode="eager", tokens_per_s=40.0, seconds=0.025),
+            dict(base, impl="fp8", phase="decode", batch=1, seq=512, mode="eager", tokens_per_s=30.0, seconds=0.033)]
     lines = ratio_table(rows).splitlines()
     assert "1,000 tok/s" in lines[2] and lines[2].endswith("1.50x")
     assert lines[3].endswith("failed") and lines[-1].startswith("failed: m fp8 decode B=1: RuntimeError")
+    assert "decode (eager)" in lines[4] and "40 tok/s" in lines[4] and lines[4].endswith("0.75x")
     p = argparse.ArgumentParser()
     add_arguments(p)
     for bad, match in ((["--prefill", "8-2048"], "BxT"), (["--phases", "load,speed"], "--phases"),

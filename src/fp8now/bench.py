@@ -149,11 +149,16 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
 
 
+def decode_mode(opts: Options, device: torch.device) -> str:
+    """How decode steps run: as asked, else replayed from a CUDA graph on CUDA and eager on the CPU."""
+    return opts.decode_mode or ("graph" if device.type == "cuda" else "eager")
+
+
 def _cases(opts: Options, model: nn.Module, ref: list | None, prompts: list, vocab: int, device: torch.device,
            profile: Callable[[Callable[[], object]], dict] | None):
     """(phase, batch, seq, measure() -> row fields) of every measurement after the load, in order;
     `profile(call)` adds its fields to the prefill and decode rows (e.g. GPU time per kernel)."""
-    mode = opts.decode_mode or ("graph" if device.type == "cuda" else "eager")
+    mode = decode_mode(opts, device)
 
     def accuracy():
         t0 = time.perf_counter()
@@ -263,16 +268,17 @@ def ratio_table(rows: list[dict]) -> str:
     from .output import table
 
     impls = list(dict.fromkeys(r["impl"] for r in rows if r["impl"] != "bf16"))
-    cases = list(dict.fromkeys((r["model"], r["phase"], r["batch"], r["seq"]) for r in rows))
-    by = {(r["model"], r["phase"], r["batch"], r["seq"], r["impl"]): r for r in rows}
+    case = lambda r: (r["model"], r["phase"], r.get("mode"), r["batch"], r["seq"])  # noqa: E731
+    cases = list(dict.fromkeys(case(r) for r in rows))
+    by = {(*case(r), r["impl"]): r for r in rows}
     lines = []
-    for model, phase, batch, seq in cases:
-        base = by.get((model, phase, batch, seq, "bf16"))
+    for key in cases:
+        model, phase, mode, batch, seq = key
+        base = by.get((*key, "bf16"))
         base_ok = base if base is not None and "error" not in base else None
-        cells = [_cell(phase, r, base_ok) if (r := by.get((model, phase, batch, seq, i))) else "-"
-                 for i in ("bf16", *impls)]
+        cells = [_cell(phase, r, base_ok) if (r := by.get((*key, i))) else "-" for i in ("bf16", *impls)]
         shape = "" if batch is None else f"{batch} x {seq}"
-        lines.append((model, phase, shape, *cells))
+        lines.append((model, phase if mode is None else f"{phase} ({mode})", shape, *cells))
     out = table(("model", "phase", "B x T", "bf16", *impls), lines, right_from=3)
     out += [f"failed: {r['model']} {r['impl']} {r['phase']} B={r['batch']}: {r['error'][:200]}"
             for r in rows if "error" in r]
