@@ -3,7 +3,9 @@ subprocesses (a tiny Llama preset written with save_pretrained, a tiny Qwen3-MoE
 checks of the decode step against a full forward, of the presets' shapes and of the ratio table."""
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,14 +53,16 @@ def test_script_on_the_tiny_preset_and_a_split_run(tmp_path):
     assert set(data["meta"]) == {"date", "gpu", "torch", "triton", "commit", "command"}
     assert data["meta"]["gpu"] == "cpu" and "bench_model.py tiny" in data["meta"]["command"]
     rows = data["rows"]
-    check_rows(rows, {"bf16", "fp8now-channel", "fp8now-block"}, "tiny")
+    check_rows(rows, {"bf16", "fp8now-channel", "fp8now-block"}, "tiny-2l")
     load = {r["impl"]: round(r["resident_gb"] * 1e9) for r in rows if r["phase"] == "load"}
     # tiny preset, 2 layers: q, o [256, 256], k, v [128, 256], gate, up [512, 256], down [256, 512]. Channel
     # saves one byte per weight and adds one float32 scale per output row.
     weights = 256 * 256 * 2 + 128 * 256 * 2 + 512 * 256 * 3
     out_rows = 256 + 128 + 128 + 256 + 512 + 512 + 256
     assert load["bf16"] - load["fp8now-channel"] == 2 * (weights - 4 * out_rows)
-    assert "fp8now-channel" in run.stdout and "x" in run.stdout.splitlines()[-1]   # the ratio table
+    table = run.stdout.splitlines()                      # the ratio table: speed-ups of both schemes
+    assert "fp8now-channel" in table[0] and "fp8now-block" in table[0]
+    assert len(re.findall(r"\d\.\d\dx", next(line for line in table if " prefill " in line))) == 2
     assert (work / "tiny-2l-seed0" / "config.json").is_file()
 
     # A second call measures block again and adds to the file: the bf16 logits come from --workdir.
@@ -69,7 +73,7 @@ def test_script_on_the_tiny_preset_and_a_split_run(tmp_path):
     assert "writing preset" not in again.stderr and "bf16 reference" not in again.stderr
     data2 = json.loads(out.read_text())
     assert " ; " in data2["meta"]["command"]
-    check_rows(data2["rows"], {"bf16", "fp8now-channel", "fp8now-block"}, "tiny")
+    check_rows(data2["rows"], {"bf16", "fp8now-channel", "fp8now-block"}, "tiny-2l")
     block = {r["phase"]: r for r in data2["rows"] if r["impl"] == "fp8now-block"}
     assert len(block) == 4 and all(r not in first_block for r in block.values())
     assert block["accuracy"]["kl"] == pytest.approx(next(r["kl"] for r in first_block if r["phase"] == "accuracy"))
@@ -181,3 +185,21 @@ def test_random_checkpoint_round_trips_and_presets_are_reused(tmp_path):
     assert preset_dir("tiny", tmp_path / "work", 1, "cpu") == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
     assert json.loads((first / "config.json").read_text())["num_hidden_layers"] == 1
+
+
+def test_agreement_against_a_direct_computation():
+    """KL(ref || got) and top-1 of bench.agreement against the definition, per position, in Python floats."""
+    from fp8now.bench import agreement
+
+    g = torch.Generator().manual_seed(11)
+    ref = [torch.randn(t, 50, generator=g) * 3 for t in (3, 5)]
+    got = [r + 2.0 * torch.randn(r.shape, generator=g) for r in ref]
+    kls, same = [], 0
+    for r, q in zip(ref, got):
+        for a, b in zip(r.tolist(), q.tolist()):
+            za, zb = math.log(sum(map(math.exp, a))), math.log(sum(map(math.exp, b)))
+            kls.append(sum(math.exp(x - za) * ((x - za) - (y - zb)) for x, y in zip(a, b)))
+            same += a.index(max(a)) == b.index(max(b))
+    out = agreement(ref, got, torch.device("cpu"))
+    assert out["tokens"] == 8 and out["kl"] == pytest.approx(sum(kls) / 8, rel=1e-9)
+    assert out["top1"] == same / 8 and 0 < out["kl"] and same < 8

@@ -138,12 +138,14 @@ def preset_dir(name: str, workdir: str | os.PathLike, layers: int | None, device
 
 def bench_model_dir(arg: str | None, workdir: str | os.PathLike, layers: int | None,
                     device: torch.device | str, log=None) -> tuple[str, Path]:
-    """(model name for the rows, folder): a preset written into `workdir`, the embedded model, or a
-    checkpoint folder / repo id as every command takes it."""
+    """(model name for the rows, folder): a preset written into `workdir` (named with its layer count,
+    e.g. `qwen3-30b-a3b-8l`), the embedded model, or a checkpoint folder / repo id as every command
+    takes it."""
     from .models import resolve_model
 
     if arg in PRESETS:
-        return arg, preset_dir(arg, workdir, layers, device, log=log)
+        folder = preset_dir(arg, workdir, layers, device, log=log)
+        return f"{arg}-{PRESETS[arg].layers if layers is None else layers}l", folder
     if layers is not None:
         raise ValueError(f"--layers applies to the presets ({', '.join(PRESETS)}), not to {arg or EMBEDDED}")
     folder = resolve_model(arg, progress=False)
