@@ -47,7 +47,7 @@ def torchao_loader(fast_accum: bool):
         from torchao.quantization.granularity import PerRow
 
         from fp8now import Fp8Config
-        from fp8now.bench import bf16_loader
+        from fp8now.bench_load import bf16_loader
         from fp8now.hf import target_linears
 
         model = bf16_loader(folder, device)[0]
@@ -85,7 +85,7 @@ def kernel_times(fn) -> dict:
 
 def implementations(args) -> dict:
     """impl name -> loader, filtered by --impls (an unknown name is an error listing the known ones)."""
-    from fp8now.bench import bf16_loader, fp8now_loader
+    from fp8now.bench_load import bf16_loader, fp8now_loader
 
     impls = {"bf16": bf16_loader, **{f"fp8now-{s}": fp8now_loader(s) for s in args.schemes.split(",") if s}}
     if args.torchao:

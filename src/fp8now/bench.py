@@ -25,7 +25,7 @@ from torch import nn
 
 from .bench_args import Options
 from .bench_decode import captured, decode_step, random_ids
-from .report import tensor_bytes
+from .bench_load import Loader, bf16_loader, resident_bytes
 
 GB = 1e9
 # Accuracy prompts for models with a tokenizer (the embedded SmolLM2): plain sentences of several kinds.
@@ -37,27 +37,6 @@ SENTENCES = (
     "If the train leaves at nine and the trip takes three hours, we will arrive shortly after noon.",
     "The committee postponed its vote because two members were travelling and could not attend.",
 )
-# A loader: (folder, device) -> (model in eval mode, fp8now's LoadReport or None).
-Loader = Callable[[Path, torch.device], tuple[nn.Module, object]]
-
-
-def bf16_loader(folder: Path, device: torch.device) -> tuple[nn.Module, None]:
-    """Plain transformers: `from_pretrained` in bf16, straight onto the device (evaluate.load_bf16)."""
-    from .evaluate import load_bf16
-
-    return load_bf16(folder, device), None
-
-
-def fp8now_loader(scheme: str) -> Loader:
-    """fp8now.load of the folder with `scheme` (no per-layer error measurement: it is not part of a load)."""
-    def load(folder: Path, device: torch.device):
-        from .config import Fp8Config
-        from .loader import load as fp8_load
-
-        return fp8_load(folder, Fp8Config(scheme=scheme), device=device, measure_error=False)
-    return load
-
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -78,19 +57,6 @@ def free(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-
-
-def resident_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and buffers; tensor subclasses (torchao's float8 weights) count
-    the tensors they hold."""
-    def leaves(t: torch.Tensor):
-        if hasattr(t, "__tensor_flatten__"):
-            for name in t.__tensor_flatten__()[0]:
-                yield from leaves(getattr(t, name))
-        else:
-            yield t
-    tensors = [*model.parameters(), *model.buffers()]
-    return tensor_bytes(leaf for t in tensors for leaf in leaves(t))
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device, reps: int) -> float:
@@ -215,8 +181,11 @@ def measure(model_name: str, folder: Path, impls: dict[str, Loader], device: tor
             free(device)
         log(f"{name}: load")
         free(device)
-        reset_peak(device)
         try:
+            if hasattr(loader, "warm"):
+                loader.warm(folder, device)
+            free(device)
+            reset_peak(device)
             t0 = time.perf_counter()
             model, reports[name] = loader(folder, device)
             sync(device)

@@ -12,7 +12,8 @@ import time
 def bench_command(args, device) -> int:
     """bf16 and fp8now's scheme(s) of `args` on `device` (None: auto) through bench.measure; prints the
     ratio table, or one JSON object (output.envelope) with --json. Returns the exit status."""
-    from .bench import bf16_loader, fp8now_loader, measure, ratio_table
+    from .bench import measure, ratio_table
+    from .bench_load import bf16_loader, fp8now_loader
     from .bench_args import options
     from .bench_presets import bench_model_dir
     from .evaluate import config_dict, expand_schemes, scheme_config
