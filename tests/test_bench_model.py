@@ -163,6 +163,7 @@ def test_random_checkpoint_round_trips_and_presets_are_reused(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from fp8now import load
+    from fp8now.bench_load import read_through
     from fp8now.bench_presets import fill_random_, preset_dir, write_random
     from moe_tiny import moe_config
 
@@ -177,6 +178,7 @@ def test_random_checkpoint_round_trips_and_presets_are_reused(tmp_path):
     rows = want["model.layers.0.self_attn.q_proj.weight"].detach().float().norm(dim=1)
     assert rows.max() > 2 * rows.min()                                          # rows of varied magnitude
     assert not list(tmp_path.glob(".tmp*"))
+    assert read_through(folder, chunk=1000) == sum(f.stat().st_size for f in folder.glob("*.safetensors")) > 0
     model, report = load(folder, device="cpu", measure_error=False)
     assert report.experts and len(report.layers) == 2 * 4                        # q, k, v, o per layer
 

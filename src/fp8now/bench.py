@@ -25,7 +25,7 @@ from torch import nn
 
 from .bench_args import Options
 from .bench_decode import captured, decode_step, random_ids
-from .bench_load import Loader, bf16_loader, resident_bytes
+from .bench_load import Loader, bf16_loader, read_through, resident_bytes
 
 GB = 1e9
 # Accuracy prompts for models with a tokenizer (the embedded SmolLM2): plain sentences of several kinds.
@@ -170,6 +170,7 @@ def measure(model_name: str, folder: Path, impls: dict[str, Loader], device: tor
     vocab = read_config(folder).get_text_config().vocab_size
     prompts = prompt_set(folder, vocab, opts) if "accuracy" in opts.phases else []
     reports: dict = {}
+    log(f"read {read_through(folder) / GB:.1f} GB of checkpoint files into the page cache")
     for name in sorted(impls, key=lambda n: n != "bf16"):
         loader = impls[name]
         base = {"model": model_name, "impl": name}
