@@ -60,13 +60,15 @@ def read_through(folder: Path, chunk: int = 64 << 20) -> int:
 
 
 def resident_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and buffers; tensor subclasses (torchao's float8 weights) count
-    the tensors they hold."""
+    """Bytes the model holds: parameters, buffers and tensors kept as plain module attributes (the cpu
+    backend's bf16 working copy of an FP8 weight); tensor subclasses (torchao's float8 weights) count
+    the tensors they hold; shared storage counts once."""
     def leaves(t: torch.Tensor):
         if hasattr(t, "__tensor_flatten__"):
             for name in t.__tensor_flatten__()[0]:
                 yield from leaves(getattr(t, name))
         else:
             yield t
-    tensors = [*model.parameters(), *model.buffers()]
+    tensors = [*model.parameters(), *model.buffers(),
+               *(v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))]
     return tensor_bytes(leaf for t in tensors for leaf in leaves(t))
