@@ -144,6 +144,8 @@ def main() -> None:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fp8now-bench-"))
     info, rows = record.meta(args.device), []
     if args.add:
+        if not os.path.isfile(args.out):
+            sys.exit(f"--add: {args.out} does not exist; copy the previous call's file there, or run without --add")
         info, rows = record.continued(args.out, info, lambda r: True)
 
     def emit(row: dict) -> None:
