@@ -10,6 +10,7 @@ MODEL: a checkpoint folder, `smollm2` (the embedded model, real weights), or a p
         # -> results/model_h200.json; a table of ratios against bf16 prints last
     ... --impls bf16,fp8now-channel --phases load,decode      # one part of a run
     ... --impls fp8now-tensor --add                            # adds to the file (same commit and GPU)
+    ... --profile                                  # + GPU µs per kernel family of each prefill / decode row
     PYTHONPATH=src python benchmarks/bench_model.py tiny --device cpu --out model.json   # CPU smoke
 
 Implementations: bf16, fp8now-<scheme> per --schemes, and with --torchao `torchao-row` (its default
@@ -122,7 +123,8 @@ def main() -> None:
                     help=f"checkpoint folders or presets ({', '.join(NAMES)}); default llama3.1-8b")
     ap.add_argument("--out", default=os.path.join(RESULTS, "model_h200.json"))
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--schemes", default="tensor,channel,block")
+    ap.add_argument("--schemes", default="channel,block,tensor",
+                    help="fp8now schemes, measured in this order after bf16 (default: %(default)s)")
     ap.add_argument("--torchao", action="store_true", help="add torchao's float8 per-row peers")
     ap.add_argument("--torchao-accum", default="both", choices=sorted(TORCHAO_ACCUM),
                     help="torchao-row (fast, its default), torchao-row-f32acc (f32), or both (default)")
