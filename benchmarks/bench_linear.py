@@ -110,12 +110,8 @@ def eager_calls(x: torch.Tensor, lin: torch.nn.Linear, layers: dict, blockwise: 
 def added_to(path: str, info: dict, shapes) -> tuple[dict, list[dict]]:
     """(meta, rows) to continue a grid split over several calls: the rows of `path` for other shapes,
     which must come from the same commit and GPU (ratios are only taken between rows of one shape)."""
-    old, rows = record.read(path)
-    if (old["commit"], old["gpu"]) != (info["commit"], info["gpu"]):
-        raise SystemExit(f"{path} was measured at {old['commit']} on {old['gpu']}, this run is {info['commit']} "
-                         f"on {info['gpu']}: run the whole grid again without --add")
-    return dict(info, command=f"{old['command']} ; {info['command']}"), \
-        [r for r in rows if (r["N"], r["K"]) not in set(shapes)]
+    shapes = set(shapes)
+    return record.continued(path, info, lambda r: (r["N"], r["K"]) not in shapes)
 
 
 def run(out_path: str, m_values=M_VALUES, shapes=SHAPES, warmup_ms=5, rep_ms=25, with_torchao=True,

@@ -8,7 +8,10 @@
 #   LINEAR_ADD=1   start from benchmarks/results/linear_h200.json (the previous call's file, copied
 #                  there) and add this call's shapes to it (bench_linear --add: same commit and GPU)
 #   LINEAR_ARGS    more bench_linear flags (e.g. "--torchao-accum both --no-torchao")
-#   MODEL_ARGS     bench_model flags (e.g. "--torchao --compile --layers 2")
+#   MODEL_ARGS     bench_model models and flags (e.g. "llama3.1-8b --torchao --workdir /tmp/fp8now-bench
+#                  --impls bf16,fp8now-channel"; default: llama3.1-8b, bf16 and the three schemes)
+#   MODEL_ADD=1    start from benchmarks/results/model_h200.json (the previous call's file, copied
+#                  there) and add this call's rows to it (bench_model --add: same commit and GPU)
 #   GPU_TESTS      test files for the tests phase (default: every GPU test file)
 set -uo pipefail
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
@@ -40,7 +43,8 @@ if has linear; then
     --out "$OUT/linear_h200.json" 2>&1 | tail -60 || rc=1
 fi
 if has model; then
-  timeout 560 python3 benchmarks/bench_model.py --out "$OUT/model_h200.json" ${MODEL_ARGS:-} 2>&1 \
+  [ -n "${MODEL_ADD:-}" ] && cp benchmarks/results/model_h200.json "$OUT/model_h200.json"
+  timeout 560 python3 benchmarks/bench_model.py --out "$OUT/model_h200.json" ${MODEL_ARGS:-} ${MODEL_ADD:+--add} 2>&1 \
     | grep -v "UserWarning\|warn_once" | tail -40 || rc=1
 fi
 exit $rc

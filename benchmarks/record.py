@@ -66,3 +66,14 @@ def read(path: str) -> tuple[dict, list[dict]]:
         raise ValueError(f"{path}: not a results file ({{'meta': {{...}}, 'rows': [...]}}); "
                          "rerun its benchmark to write one")
     return data["meta"], data["rows"]
+
+
+def continued(path: str, info: dict, keep) -> tuple[dict, list[dict]]:
+    """(meta, rows) to continue a run split over several calls: the rows of `path` for which `keep(row)`
+    holds, which must come from the same commit and GPU as `info` (ratios are taken between its rows);
+    the command becomes both calls' commands."""
+    old, rows = read(path)
+    if (old["commit"], old["gpu"]) != (info["commit"], info["gpu"]):
+        raise SystemExit(f"{path} was measured at {old['commit']} on {old['gpu']}, this run is {info['commit']} "
+                         f"on {info['gpu']}: run it all again without --add")
+    return dict(info, command=f"{old['command']} ; {info['command']}"), [r for r in rows if keep(r)]

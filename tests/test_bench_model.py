@@ -1,52 +1,208 @@
-"""benchmarks/bench_model.py, run for real as a subprocess on the CPU (tiny Llama, eager rows only):
-it builds the model, quantizes a copy per scheme, and writes a results file (meta + one row per
-(case, model) with the output error against bf16 and the model's bytes)."""
+"""The whole-model benchmark on the CPU: benchmarks/bench_model.py and `fp8now bench` run for real as
+subprocesses (a tiny Llama preset written with save_pretrained, a tiny Qwen3-MoE folder), plus in-process
+checks of the decode step against a full forward, of the presets' shapes and of the ratio table."""
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), *sys.path]))
+FIELDS = {"model", "impl", "phase", "batch", "seq", "tokens_per_s", "seconds", "peak_gb"}
+SMALL = ["--prefill", "1x16", "--decode", "1,3", "--context", "8", "--reps", "1", "--prompts", "2x8"]
 
 
-def test_bench_model_cpu_smoke(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), *sys.path]))
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--device", "cpu", "--preset", "tiny",
-         "--layers", "1", "--decode", "1,3", "--prefill", "2x16", "--schemes", "channel,block",
-         "--host-profile", "--out", str(tmp_path / "model.json")], env=env, capture_output=True, text=True,
-        timeout=600)
+def script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), *args], env=ENV,
+                          capture_output=True, text=True, timeout=900)
+
+
+def check_rows(rows: list[dict], impls: set[str], model: str) -> None:
+    """Every row has the fields; accuracy, decode and load rows hold sane figures."""
+    assert not [r for r in rows if "error" in r]
+    assert all(FIELDS <= set(r) and r["model"] == model for r in rows)
+    assert {r["impl"] for r in rows} == impls
+    for impl in impls:
+        mine = {(r["phase"], r["batch"], r["seq"]): r for r in rows if r["impl"] == impl}
+        want = {("load", None, None), ("prefill", 1, 16), ("decode", 1, 8), ("decode", 3, 8)}
+        assert set(mine) == want | ({("accuracy", 2, 8)} if impl != "bf16" else set())
+        for (phase, batch, seq), r in mine.items():
+            assert r["seconds"] > 0 and r["peak_gb"] is None        # no device memory on the CPU
+            if phase in ("prefill", "decode"):
+                assert r["tokens_per_s"] == pytest.approx(batch * (seq if phase == "prefill" else 1) / r["seconds"])
+            if phase == "decode":
+                assert r["mode"] == "eager" and r["rel_to_eager"] == 0.0
+            if phase == "accuracy":      # FP8 changes the logits: KL clearly above 0, most top-1 kept
+                assert 1e-4 < r["kl"] < 1.0 and 0.5 <= r["top1"] <= 1.0 and r["tokens"] == 16
+
+
+def test_script_on_the_tiny_preset_and_a_split_run(tmp_path):
+    out, work = tmp_path / "model.json", tmp_path / "work"
+    run = script("tiny", "--device", "cpu", "--schemes", "channel,block", "--workdir", str(work),
+                 "--out", str(out), *SMALL)
     assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads((tmp_path / "model.json").read_text())
-    assert set(result) == {"meta", "rows"}
-    meta, rows = result["meta"], result["rows"]
-    assert set(meta) == {"date", "gpu", "torch", "triton", "commit", "command"}
-    assert meta["gpu"] == "cpu" and "bench_model.py" in meta["command"] and "--preset tiny" in meta["command"]
-    assert not [r for r in rows if "error" in r]  # nothing failed
-    cases = {(1, 1), (3, 1), (2, 16)}
-    impls = {"bf16", "fp8now-channel", "fp8now-block"}
-    profiled = {(r["impl"], r["batch"], r["seq"]): r for r in rows if r["mode"] == "host-profile"}
-    rows = [r for r in rows if r["mode"] != "host-profile"]
-    assert {(r["batch"], r["seq"], r["impl"]) for r in rows} == {(*c, i) for c in cases for i in impls}
-    assert all(r["mode"] == "eager" and r["ms"] > 0 for r in rows)
-    # the host profile (decode cases) counts one Fp8Linear call per linear of the layer: 7 per forward
-    assert set(profiled) == {(i, b, 1) for i in impls for b in (1, 3)}
-    assert all(p["ms"] > 0 and p["top"] for p in profiled.values())
-    for (impl, _, _), p in profiled.items():
-        assert p["calls_per_forward"]["fp8now/linear.py:forward"] == (0 if impl == "bf16" else 7)
-    for r in rows:
-        assert r["tokens"] == r["batch"] * r["seq"]
-        if r["impl"] == "bf16":
-            assert r["rel"] is None
-        else:  # FP8 noise on a one-layer random model: clearly nonzero, clearly not garbage
-            assert 1e-3 < r["rel"] < 0.3, r
-    size = {r["impl"]: r["weight_bytes"] for r in rows}
-    # tiny preset, 1 layer: q, o [256, 256], k, v [128, 256], gate, up [512, 256], down [256, 512].
-    # bf16 -> FP8 saves one byte per weight and adds one float32 scale per output row (channel).
-    rows_out = 256 + 128 + 128 + 256 + 512 + 512 + 256
-    linear = 256 * 256 * 2 + 128 * 256 * 2 + 512 * 256 * 3
-    assert size["bf16"] - size["fp8now-channel"] == linear - 4 * rows_out
-    assert size["fp8now-channel"] < 0.55 * size["bf16"]
-    assert "fp8now-channel" in run.stdout  # the summary table
+    data = json.loads(out.read_text())
+    assert set(data) == {"meta", "rows"}
+    assert set(data["meta"]) == {"date", "gpu", "torch", "triton", "commit", "command"}
+    assert data["meta"]["gpu"] == "cpu" and "bench_model.py tiny" in data["meta"]["command"]
+    rows = data["rows"]
+    check_rows(rows, {"bf16", "fp8now-channel", "fp8now-block"}, "tiny-2l")
+    load = {r["impl"]: round(r["resident_gb"] * 1e9) for r in rows if r["phase"] == "load"}
+    # tiny preset, 2 layers: q, o [256, 256], k, v [128, 256], gate, up [512, 256], down [256, 512]. Channel on
+    # the CPU holds per weight one FP8 byte and the cpu backend's bf16 working copy (2 bytes) instead of
+    # bf16's 2 bytes, and one float32 scale per output row.
+    weights = 256 * 256 * 2 + 128 * 256 * 2 + 512 * 256 * 3
+    out_rows = 256 + 128 + 128 + 256 + 512 + 512 + 256
+    assert load["fp8now-channel"] - load["bf16"] == 2 * (weights + 4 * out_rows)
+    table = run.stdout.splitlines()                      # the ratio table: speed-ups of both schemes
+    assert "fp8now-channel" in table[0] and "fp8now-block" in table[0]
+    assert len(re.findall(r"\d\.\d\dx", next(line for line in table if " prefill " in line))) == 2
+    assert (work / "tiny-2l-seed0" / "config.json").is_file()
+
+    # A second call measures block again and adds to the file: the bf16 logits come from --workdir.
+    first_block = [r for r in rows if r["impl"] == "fp8now-block"]
+    again = script("tiny", "--device", "cpu", "--schemes", "channel,block", "--impls", "fp8now-block", "--add",
+                   "--workdir", str(work), "--out", str(out), *SMALL)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "writing preset" not in again.stderr and "bf16 reference" not in again.stderr
+    data2 = json.loads(out.read_text())
+    assert " ; " in data2["meta"]["command"]
+    check_rows(data2["rows"], {"bf16", "fp8now-channel", "fp8now-block"}, "tiny-2l")
+    block = {r["phase"]: r for r in data2["rows"] if r["impl"] == "fp8now-block"}
+    assert len(block) == 4 and all(r not in first_block for r in block.values())
+    assert block["accuracy"]["kl"] == pytest.approx(next(r["kl"] for r in first_block if r["phase"] == "accuracy"))
+
+
+def test_cli_bench_json_on_a_moe_folder(tmp_path):
+    from moe_tiny import save_moe
+
+    folder = save_moe("qwen3_moe", tmp_path, spread=1.0)
+    run = subprocess.run([sys.executable, "-m", "fp8now", "bench", str(folder), "--device", "cpu", "--scheme",
+                          "channel", "--json", *SMALL], env=ENV, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads(run.stdout)
+    assert data["command"] == "bench" and data["model"] == str(folder) and data["device"] == "cpu"
+    entry = data["schemes"]["channel"]
+    assert entry["config"]["scheme"] == "channel" and entry["report"]["experts"]   # the experts were FP8
+    check_rows(data["results"]["rows"] + entry["results"]["rows"], {"bf16", "fp8now-channel"}, "qwen3_moe")
+
+
+def test_cli_bench_rejects_layers_for_a_folder(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "fp8now", "bench", str(tmp_path), "--layers", "2"], env=ENV,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "--layers applies to the presets" in run.stderr
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_decode_step_matches_a_full_forward(family):
+    """The cached step's logits equal the last position's logits of one forward over context + token;
+    calling it again rewrites the same slot and gives the same logits."""
+    from fp8now.bench_decode import decode_step, random_ids
+    from moe_tiny import moe_model
+    from tiny import tiny_model
+
+    model = tiny_model("llama") if family == "llama" else moe_model("qwen3_moe", spread=1.0)
+    vocab, cpu = model.config.vocab_size, torch.device("cpu")
+    for batch, context in ((1, 5), (3, 12)):
+        step = decode_step(model, batch, context, vocab, seed=3, device=cpu)
+        first, second = step().clone(), step().clone()
+        ids = torch.cat([random_ids((batch, context), vocab, 3, cpu), random_ids((batch, 1), vocab, 10, cpu)], 1)
+        with torch.inference_mode():
+            full = model(input_ids=ids, use_cache=False).logits[:, -1:].float()
+        assert first.shape == (batch, 1, vocab) and torch.equal(first, second)
+        assert (first.float() - full).norm() <= 1e-2 * full.norm()
+
+
+def test_presets_have_the_published_parameter_counts():
+    from transformers import AutoModelForCausalLM
+
+    from fp8now.bench_presets import preset_config
+
+    def count(name: str, layers: int) -> int:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(preset_config(name, layers))
+        return sum(p.numel() for p in model.parameters())
+
+    assert count("llama3.1-8b", 32) == 8_030_261_248          # Llama-3.1-8B's model card
+    assert count("qwen3-30b-a3b", 48) == pytest.approx(30.5e9, rel=0.005)   # Qwen3-30B-A3B: 30.5B
+
+
+def test_ratio_table_and_bad_options():
+    import argparse
+
+    from fp8now.bench import ratio_table
+    from fp8now.bench_args import add_arguments, options
+
+    base = dict(model="m", batch=8, seq=2048, peak_gb=1.0)
+    rows = [dict(base, impl="bf16", phase="prefill", tokens_per_s=1000.0, seconds=16.4),
+            dict(base, impl="fp8", phase="prefill", tokens_per_s=1500.0, seconds=10.9),
+            dict(base, impl="fp8", phase="decode", batch=1, seq=512, error="RuntimeError: capture"),
+            dict(base, impl="bf16", phase="decode", batch=1, seq=512, mode="eager", tokens_per_s=40.0, seconds=0.025),
+            dict(base, impl="fp8", phase="decode", batch=1, seq=512, mode="eager", tokens_per_s=30.0, seconds=0.033)]
+    lines = ratio_table(rows).splitlines()
+    assert "1,000 tok/s" in lines[2] and lines[2].endswith("1.50x")
+    assert lines[3].endswith("failed") and lines[-1].startswith("failed: m fp8 decode B=1: RuntimeError")
+    assert "decode (eager)" in lines[4] and "40 tok/s" in lines[4] and lines[4].endswith("0.75x")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    for bad, match in ((["--prefill", "8-2048"], "BxT"), (["--phases", "load,speed"], "--phases"),
+                       (["--decode", "0"], "at least 1")):
+        with pytest.raises(ValueError, match=match):
+            options(p.parse_args(bad))
+
+
+def test_random_checkpoint_round_trips_and_presets_are_reused(tmp_path):
+    """write_random's folder (sharded) loads in transformers with exactly the seeded weights, and in
+    fp8now; a preset folder is written once and then reused."""
+    from transformers import AutoModelForCausalLM
+
+    from fp8now import load
+    from fp8now.bench_load import read_through
+    from fp8now.bench_presets import fill_random_, preset_dir, write_random
+    from moe_tiny import moe_config
+
+    config = moe_config("qwen3_moe")
+    folder = write_random(config, tmp_path / "moe", "cpu", seed=5)
+    loaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16)
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    fill_random_(fresh, "cpu", seed=5)
+    got, want = dict(loaded.named_parameters()), dict(fresh.named_parameters())
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert len({float(want[k].detach().float().std()) for k in want}) > len(want) // 2   # varied, not constant
+    rows = want["model.layers.0.self_attn.q_proj.weight"].detach().float().norm(dim=1)
+    assert rows.max() > 2 * rows.min()                                          # rows of varied magnitude
+    assert not list(tmp_path.glob(".tmp*"))
+    assert read_through(folder, chunk=1000) == sum(f.stat().st_size for f in folder.glob("*.safetensors")) > 0
+    model, report = load(folder, device="cpu", measure_error=False)
+    assert report.experts and len(report.layers) == 2 * 4                        # q, k, v, o per layer
+
+    first = preset_dir("tiny", tmp_path / "work", 1, "cpu")
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert preset_dir("tiny", tmp_path / "work", 1, "cpu") == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert json.loads((first / "config.json").read_text())["num_hidden_layers"] == 1
+
+
+def test_agreement_against_a_direct_computation():
+    """KL(ref || got) and top-1 of bench.agreement against the definition, per position, in Python floats."""
+    from fp8now.bench import agreement
+
+    g = torch.Generator().manual_seed(11)
+    ref = [torch.randn(t, 50, generator=g) * 3 for t in (3, 5)]
+    got = [r + 2.0 * torch.randn(r.shape, generator=g) for r in ref]
+    kls, same = [], 0
+    for r, q in zip(ref, got):
+        for a, b in zip(r.tolist(), q.tolist()):
+            za, zb = math.log(sum(map(math.exp, a))), math.log(sum(map(math.exp, b)))
+            kls.append(sum(math.exp(x - za) * ((x - za) - (y - zb)) for x, y in zip(a, b)))
+            same += a.index(max(a)) == b.index(max(b))
+    out = agreement(ref, got, torch.device("cpu"))
+    assert out["tokens"] == 8 and out["kl"] == pytest.approx(sum(kls) / 8, rel=1e-9)
+    assert out["top1"] == same / 8 and 0 < out["kl"] and same < 8

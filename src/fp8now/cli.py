@@ -1,4 +1,4 @@
-"""`fp8now run | eval | inspect | quantize`: every command defaults to the embedded SmolLM2-135M-Instruct.
+"""`fp8now run | eval | inspect | quantize | bench`: every command defaults to the embedded SmolLM2-135M-Instruct.
 
 Results go to stdout, progress bars and errors to stderr. An error is one line and exit status 1
 (`--debug` shows the traceback).
@@ -74,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
     qz.add_argument("--format", default="compressed-tensors", choices=("compressed-tensors", "fp8"),
                     help="compressed-tensors (every scheme; default) or fp8 (block only)")
     qz.add_argument("--out", required=True, metavar="DIR", help="new folder to write (must not exist)")
+
+    from .bench_args import add_command
+
+    add_command(sub, common, scheme_help)
     return p
 
 
@@ -82,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return {"run": cmd_run, "eval": cmd_eval, "inspect": cmd_inspect,
-                "quantize": cmd_quantize}[args.command](args)
+                "quantize": cmd_quantize, "bench": cmd_bench}[args.command](args)
     except KeyboardInterrupt:
         print("fp8now: interrupted", file=sys.stderr)
         return 130
@@ -297,6 +301,12 @@ def cmd_eval(args) -> int:
     if args.plot:
         print(f"\nKL and top-1 plot: {results['plot']}")
     return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench_cli import bench_command
+
+    return bench_command(args, _device(args.device))
 
 
 if __name__ == "__main__":

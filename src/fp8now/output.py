@@ -1,12 +1,14 @@
-"""What the CLI prints: one JSON shape for `run`, `eval` and `inspect`, and the text tables.
+"""What the CLI prints: one JSON shape for `run`, `eval`, `inspect` and `bench`, and the text tables.
 
 JSON (`--json`), the same keys for every command:
-    {"command": "run" | "eval" | "inspect", "model": folder, "device": str,
+    {"command": "run" | "eval" | "inspect" | "bench", "model": folder, "device": str,
      "args": {the command's options},
-     "results": {command-wide results: eval's text and bf16 time; {} otherwise},
+     "results": {command-wide results: eval's text and bf16 time; bench's model name and bf16 rows;
+                 {} otherwise},
      "schemes": {key: {"config": {"scheme", "activation", "backend", "fast_accum"},
                        "report": LoadReport.to_dict(),
-                       "results": {run: "generations"; eval: the KL statistics; inspect: "summary"}}}}
+                       "results": {run: "generations"; eval: the KL statistics; inspect: "summary";
+                                   bench: "rows" (bench.py)}}}}
 Non-finite floats become null, so the output is strict JSON.
 """
 

@@ -13,6 +13,11 @@ def _present(model_dir: Path, names: tuple[str, ...]) -> bool:
     return all(any(model_dir.glob(n)) if "*" in n else (model_dir / n).is_file() for n in names)
 
 
+def has_tokenizer(model_dir: Path) -> bool:
+    """Whether `model_dir` holds one of the TOKENIZER_FILES sets."""
+    return any(_present(model_dir, names) for names in TOKENIZER_FILES)
+
+
 def load_tokenizer(model_dir: Path):
     """`AutoTokenizer` of `model_dir`; an error naming the folder and the files it lacks otherwise."""
     from .custom_code import CustomCodeError, load_tokenizer as load_builtin
