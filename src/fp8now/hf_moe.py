@@ -126,7 +126,7 @@ def experts_row(layer: Fp8Experts, w13: torch.Tensor, w2: torch.Tensor, measure:
     return ExpertsRow(layer.name, layer.num_experts, layer.hidden_size, layer.intermediate_size,
                       layer.scheme.value, layer.backend or "?", layer.w13_bias is not None,
                       min(per_expert) if per_expert else None,
-                      statistics.median(per_expert) if per_expert else None)
+                      statistics.median(per_expert) if per_expert else None, layer.act_kind)
 
 
 def quantize_experts_(model: nn.Module, config: Fp8Config, measure: bool = True
