@@ -116,7 +116,10 @@ class Fp8Experts(nn.Module):
         return out
 
     def padded(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Float `w13 [E, 2I, H]`, `w2 [E, H, I]` in the stored layout `[E, 2Ip, Hp]`, `[E, Hp, Ip]`."""
+        """Float `w13 [E, 2I, H]`, `w2 [E, H, I]` in the stored layout `[E, 2Ip, Hp]`, `[E, Hp, Ip]`
+        (the inputs themselves when nothing is padded: no copy of a whole layer)."""
+        if (self.h_pad, self.i_pad) == (self.hidden_size, self.intermediate_size):
+            return w13, w2
         w13 = nn.functional.pad(self._pad_w13(w13), (0, self.h_pad - self.hidden_size))
         w2 = nn.functional.pad(w2, (0, self.i_pad - self.intermediate_size, 0, self.h_pad - self.hidden_size))
         return w13, w2
