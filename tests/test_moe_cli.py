@@ -4,14 +4,18 @@ with a byte tokenizer): the experts are quantized, listed and used."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from moe_tiny import save_moe
 
 from fp8now.output import SCHEMA_KEYS
 from test_evaluate import save_byte_tokenizer
+from test_models import embedded_model_dir, needs_gguf
 
 pytestmark = pytest.mark.slow
 EXPERTS = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
@@ -73,3 +77,26 @@ def test_eval_compares_the_fp8_experts_with_bf16(mixtral, tmp_path):
     # tensor-tensor: per-tensor activations in the dense layers, per-token ones in the experts
     assert {e["act"] for e in data["schemes"]["tensor-tensor"]["report"]["experts"]} == {"token"}
     assert data["schemes"]["tensor-tensor"]["config"]["activation"] == "tensor"
+
+
+@needs_gguf
+def test_the_readme_moe_snippet_and_commands_run_as_written(tmp_path):
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Mixture-of-experts models")[1].split("\n## ")[0]
+    (snippet,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    (commands,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    path, _ = embedded_model_dir()
+    env = {**os.environ, "FP8NOW_CACHE": str(path.parent)}
+    proc = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    outs = []
+    for line in commands.strip().splitlines():
+        args = line.split("#")[0].split()
+        assert args[:3] == ["python3", "-m", "fp8now"]
+        proc = subprocess.run([sys.executable, *args[1:]], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        outs.append(proc.stdout)
+    assert "experts: model.layers.1.mlp.experts E=8 H=256 I=256 block" in outs[0]
+    assert "backends: cpu x8, reference (experts) x2" in outs[1] and "--- greedy: 8 tokens" in outs[1]
