@@ -154,8 +154,8 @@ def test_bad_inputs_name_the_layer():
     m.load_(torch.zeros(4, 256, 128), torch.zeros(4, 128, 128))
     with pytest.raises(ValueError, match="expert index out of range"):
         m(torch.zeros(2, 128), torch.tensor([[0], [4]]), torch.ones(2, 1))
-    with pytest.raises(ValueError, match="activation='tensor' does not apply"):
-        Fp8Experts(4, 128, 128, Fp8Config(scheme="tensor", activation="tensor"), act_fn=torch.nn.SiLU())
+    per_tensor = Fp8Experts(4, 128, 128, Fp8Config(scheme="tensor", activation="tensor"), act_fn=torch.nn.SiLU())
+    assert per_tensor.act_kind == "token"   # experts never share one scale over their tokens
     with pytest.raises(ValueError, match="no MoE experts kernel"):
         Fp8Experts(4, 128, 128, Fp8Config(backend="torch"), act_fn=torch.nn.SiLU())
 

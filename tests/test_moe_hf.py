@@ -35,6 +35,16 @@ def _pad(w13, w2, ip, hp):
     return g, d
 
 
+def assert_each_expert_quantized_alone(family, module, layer, scheme):
+    """Each expert of `layer` holds `quantize_weight` of that expert of transformers' `module` alone."""
+    for e in range(layer.num_experts):
+        g, d = _pad(*_expert_by_hand(family, module, e), layer.i_pad, layer.h_pad)
+        for stored_q, stored_s, w in ((layer.w13[e], layer.w13_scale[e], g), (layer.w2[e], layer.w2_scale[e], d)):
+            q, s = quantize_weight(w, scheme)
+            assert torch.equal(stored_q.view(torch.uint8), q.view(torch.uint8)), (layer.name, e)
+            assert torch.equal(stored_s, s.reshape(stored_s.shape)), (layer.name, e)
+
+
 def _routers(model):
     """Every router / gate tensor (weights, biases, DeepSeek's e_score_correction_bias)."""
     out = {}
@@ -60,12 +70,7 @@ def test_each_expert_is_its_own_quantization_and_routers_stay(family, scheme):
         assert (row.num_experts, row.hidden, row.intermediate) == (layer.num_experts, layer.hidden_size,
                                                                    layer.intermediate_size)
         assert 25 < row.min_sqnr_db <= row.median_sqnr_db < 40
-        for e in range(layer.num_experts):
-            g, d = _pad(*_expert_by_hand(family, module, e), layer.i_pad, layer.h_pad)
-            for stored_q, stored_s, w in ((layer.w13[e], layer.w13_scale[e], g), (layer.w2[e], layer.w2_scale[e], d)):
-                q, s = quantize_weight(w, scheme)
-                assert torch.equal(stored_q.view(torch.uint8), q.view(torch.uint8)), (name, e)
-                assert torch.equal(stored_s, s.reshape(stored_s.shape)), (name, e)
+        assert_each_expert_quantized_alone(family, module, layer, scheme)
         scales = layer.w2_scale.reshape(layer.num_experts, -1).amax(dim=1)
         assert scales[-1] > 20 * scales[0]
     after = _routers(model)

@@ -91,3 +91,33 @@ def test_sharded_checkpoint_with_a_layer_across_shards(tmp_path):
     got, want = loaded.state_dict(), model.state_dict()
     assert got.keys() == want.keys() and len(report.files) > 4
     assert all(torch.equal(_bytes(got[n]), _bytes(want[n])) for n in got)
+
+
+@pytest.mark.parametrize("family,key,expert", [
+    ("qwen3_moe", "model.layers.1.mlp.experts.5.up_proj.weight", None),            # per-expert weight
+    ("mixtral", "model.layers.0.block_sparse_moe.experts.2.w2.weight", None),      # renamed per-expert
+    ("gpt_oss", "model.layers.1.mlp.experts.gate_up_proj_bias", 3),                # fused bias
+    ("gpt_oss", "model.layers.0.mlp.experts.down_proj", 3)])                       # fused weight
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_expert_weights_and_biases_name_the_checkpoint_tensor(tmp_path, family, key, expert, bad):
+    path = save_moe(family, tmp_path)
+    tensors = _checkpoint(path)
+    t = tensors[key].clone()
+    t.view(-1)[t.numel() - 5] = bad   # in the last expert's slice of a fused tensor
+    tensors[key] = t
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    where = rf"tensor '{key}'" + ("" if expert is None else rf" \(expert {expert}\)")
+    with pytest.raises(ValueError, match=rf"model\.safetensors: {where.replace('.', '[.]')} contains NaN or Inf"):
+        fp8now.load(path, Fp8Config(scheme="channel"), device="cpu")
+
+
+def test_quantize_refuses_a_nonfinite_expert_bias_without_casting_it():
+    """In memory (quantize_): the error names the module, the expert and the half; nothing is swapped."""
+    model = moe_model("gpt_oss")
+    experts = model.model.layers[1].mlp.experts
+    with torch.no_grad():
+        experts.gate_up_proj_bias[2, 7] = float("inf")   # interleaved: odd columns are up entries
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts: expert 2's gate_up bias \(up half\) "
+                                         r"contains NaN or Inf; nothing was written"):
+        fp8now.quantize_(model, Fp8Config(scheme="block"))
+    assert model.model.layers[1].mlp.experts is experts

@@ -129,11 +129,11 @@ def _load(args, measure_error: bool = True, model_dir=None):
 
 def cmd_inspect(args) -> int:
     from .evaluate import config_dict, scheme_config
-    from .output import dumps, envelope, format_inspect, projection_summary, scheme_entry
+    from .output import dumps, envelope, experts_summary, format_inspect, projection_summary, scheme_entry
 
     key, model_dir, _, report = _load(args)
     data = report.to_dict()
-    summary = projection_summary(data["layers"])
+    summary = projection_summary(data["layers"]) + experts_summary(data["experts"])
     if args.json:
         entry = scheme_entry(config_dict(scheme_config(key, args.fast_accum)[1]), data, {"summary": summary})
         print(dumps(envelope("inspect", model_dir, report.device, {"layers": args.layers}, {key: entry})))
@@ -250,6 +250,7 @@ def _memory_summary(report, rss_after_load: int | None) -> str:
     from .host_memory import mib, peak_rss_bytes
 
     backends = Counter(row.backend for row in report.layers)
+    backends.update(f"{row.backend} (experts)" for row in report.experts)
     left = ", ".join(name for name, _ in report.ignored) or "none"
     device_peak = "" if report.peak_device_bytes is None else \
         f"; peak device memory {mib(report.peak_device_bytes)}"

@@ -133,7 +133,8 @@ class Fp8Config:
     ignore: module names left in high precision: exact names, fnmatch globs, or `re:` regexes.
     backend: "auto" (the dispatch table) or a forced backend name.
     batch_invariant: output rows independent of the batch they run in (SPEC §8).
-    activation: "auto", or force per-"token" / per-"tensor" activation scales where the scheme allows.
+    activation: "auto", or force per-"token" / per-"tensor" activation scales where the scheme allows
+        (MoE experts keep per-token scales under "tensor": their tokens must not share a scale).
     decode_graphs: on the triton backend, replay eager calls with M <= 256 from per-layer CUDA graphs
         (fp8now.decode_graphs: same bytes, a fraction of the host time); False launches every call.
     tp_invariant: under tensor parallelism, reduce row-parallel inputs' per-token amax over the TP

@@ -47,3 +47,23 @@ def check_finite(tensors: list[tuple[torch.Tensor, str]]) -> None:
     for t, name in tensors:
         check.add(t, name)
     check.raise_if_bad()
+
+
+def nonfinite_slices(tensors: dict[str, torch.Tensor], parts: dict[str, int]
+                     ) -> list[tuple[str, int, int]]:
+    """(name, i, part) for each `t[i]` of a stacked tensor (e.g. one expert) holding NaN or Inf; each `t[i]`
+    is cut along its first dim into `parts[name]` (default 1) parts checked apart (gate and up rows); one sync.
+
+    Checked one slice at a time, so the temporaries stay the size of one expert, not of the stack."""
+    flags: list[torch.Tensor] = []
+    where: list[tuple[str, int, int]] = []
+    for name, t in tensors.items():
+        n = parts.get(name, 1)
+        for i in range(t.shape[0]):
+            for p, piece in enumerate(t[i].chunk(n) if n > 1 else (t[i],)):
+                flags.append(torch.isfinite(piece).all())
+                where.append((name, i, p))
+    if not flags:
+        return []
+    ok = torch.stack([f.to(flags[0].device) for f in flags]).tolist()
+    return [w for w, good in zip(where, ok) if not good]

@@ -90,10 +90,12 @@ def empty_fp8_experts(name: str, module: nn.Module, config: Fp8Config,
     gate_up = module.gate_up_proj
     e, two_i = gate_up.shape[0], gate_up.shape[2 if layout.transposed else 1]
     h = gate_up.shape[1 if layout.transposed else 2]
-    return Fp8Experts(e, h, two_i // 2, config, bias=layout.bias, gate=layout.gate,
-                      act_fn=getattr(module, "act_fn", None), alpha=float(getattr(module, "alpha", 1.702)),
-                      limit=float(getattr(module, "limit", 7.0)), dense_input=layout.dense_input,
-                      device=device, dtype=gate_up.dtype, name=name)
+    layer = Fp8Experts(e, h, two_i // 2, config, bias=layout.bias, gate=layout.gate,
+                       act_fn=getattr(module, "act_fn", None), alpha=float(getattr(module, "alpha", 1.702)),
+                       limit=float(getattr(module, "limit", 7.0)), dense_input=layout.dense_input,
+                       device=device, dtype=gate_up.dtype, name=name)
+    layer.hf_layout = layout   # reload_weights maps transformers' names and layout onto the layer again
+    return layer
 
 
 def target_experts(model: nn.Module, config: Fp8Config
@@ -124,7 +126,7 @@ def experts_row(layer: Fp8Experts, w13: torch.Tensor, w2: torch.Tensor, measure:
     return ExpertsRow(layer.name, layer.num_experts, layer.hidden_size, layer.intermediate_size,
                       layer.scheme.value, layer.backend or "?", layer.w13_bias is not None,
                       min(per_expert) if per_expert else None,
-                      statistics.median(per_expert) if per_expert else None)
+                      statistics.median(per_expert) if per_expert else None, layer.act_kind)
 
 
 def quantize_experts_(model: nn.Module, config: Fp8Config, measure: bool = True

@@ -15,6 +15,7 @@ from torch import nn
 from . import numerics
 from .config import Fp8Config, Scheme
 from .decode_graphs import DecodeGraphs
+from .finite import nonfinite_slices
 from .kernels import device_class, quantize_weight
 from .kernels.reference import exact_matmul
 from .linear import check_float_weight, weight_scale_shape
@@ -27,6 +28,20 @@ GATES = ("glu", "clamped_swiglu")
 # float64 `reference` loop over experts (anywhere). Device class -> candidates, best first.
 EXPERT_BACKENDS = ("auto", "triton", "reference")
 EXPERT_TABLE = {"cuda-fp8": ("triton", "reference"), "cuda": ("reference",), "cpu": ("reference",)}
+
+
+# What each leaf holds, for error messages; w13 leaves are checked as two parts: gate rows, up rows.
+LEAF_TEXT = {"w13": "gate_up weight", "w2": "down weight", "w13_bias": "gate_up bias", "w2_bias": "down bias"}
+
+
+class NonFiniteExperts(ValueError):
+    """NaN or Inf in the float weights or biases given to `Fp8Experts.load_` (nothing was written).
+
+    `where`: (leaf, expert, part) per bad piece; part 0 / 1 = gate / up rows of w13 leaves, else 0."""
+
+    def __init__(self, message: str, where: list[tuple[str, int, int]]) -> None:
+        super().__init__(message)
+        self.where = where
 
 
 def _round_up(n: int, to: int) -> int:
@@ -55,12 +70,12 @@ def pick_expert_backend(device: torch.device, experts: Fp8Experts, forced: str =
 
 
 def expert_act_kind(config: Fp8Config) -> str:
-    """Per-token or per-group activation scales for experts; never one scale over the batch."""
+    """Per-token or per-group activation scales for experts; never one scale over the batch: with
+    activation='tensor' (e.g. scheme "tensor-tensor") the dense layers use per-tensor scales and the
+    experts per-token ones (one scale over the tokens routed to an expert would couple them); the
+    report's experts rows show it."""
     kind = config.act_kind(config.expert_scheme)
-    if kind == "tensor":
-        raise ValueError("activation='tensor' does not apply to MoE experts: one scale over the tokens "
-                         "routed to an expert would couple them; use activation='auto' or 'token'")
-    return kind
+    return "token" if kind == "tensor" else kind
 
 
 def combine(out: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -105,6 +120,7 @@ class Fp8Experts(nn.Module):
         self.name = name
         self.forced_backend, self.batch_invariant = config.backend, config.batch_invariant
         self.graphs = DecodeGraphs() if config.decode_graphs else None   # triton: small-T calls replayed
+        self.hf_layout = None   # set by hf_moe: how transformers stores these experts (for reload_weights)
         self.backend: str | None = None
         pad = 128 if self.scheme is Scheme.BLOCK else 1
         self.h_pad, self.i_pad = _round_up(hidden_size, pad), _round_up(intermediate_size, pad)
@@ -138,7 +154,10 @@ class Fp8Experts(nn.Module):
         return out
 
     def padded(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Float `w13 [E, 2I, H]`, `w2 [E, H, I]` in the stored layout `[E, 2Ip, Hp]`, `[E, Hp, Ip]`."""
+        """Float `w13 [E, 2I, H]`, `w2 [E, H, I]` in the stored layout `[E, 2Ip, Hp]`, `[E, Hp, Ip]`
+        (the inputs themselves when nothing is padded: no copy of a whole layer)."""
+        if (self.h_pad, self.i_pad) == (self.hidden_size, self.intermediate_size):
+            return w13, w2
         w13 = nn.functional.pad(self._pad_w13(w13), (0, self.h_pad - self.hidden_size))
         w2 = nn.functional.pad(w2, (0, self.i_pad - self.intermediate_size, 0, self.h_pad - self.hidden_size))
         return w13, w2
@@ -148,7 +167,8 @@ class Fp8Experts(nn.Module):
         """Quantize float `w13 [E, 2I, H]`, `w2 [E, H, I]` (biases `[E, 2I]`, `[E, H]`) one expert at a
         time; in place when storage exists (same tensors, same data_ptr), else created on w13's device.
         `amax` {"w13"/"w2": [E, ...] numerics.weight_amax per expert}: scale amaxes to use instead of
-        measuring them (tensor parallelism inside the experts: the MAX over the group, SPEC §6)."""
+        measuring them (tensor parallelism inside the experts: the MAX over the group, SPEC §6).
+        Dtypes, shapes and NaN/Inf of every input are checked before anything is written."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         check_float_weight(w13, f"{self.name}.w13", (e, 2 * i, h))
         check_float_weight(w2, f"{self.name}.w2", (e, h, i))
@@ -156,6 +176,10 @@ class Fp8Experts(nn.Module):
         if has_bias != (b13 is not None) or has_bias != (b2 is not None):
             raise ValueError(f"{self.name or 'experts'}: biases {'required' if has_bias else 'not expected'}"
                              " (both gate_up and down)")
+        if has_bias:
+            check_float_weight(b13, f"{self.name}.w13_bias", (e, 2 * i))
+            check_float_weight(b2, f"{self.name}.w2_bias", (e, h))
+        self._check_finite(w13, w2, b13, b2)
         device = w13.device if self.w13.is_meta else self.w13.device
         p13, p2 = self.padded(w13.to(device), w2.to(device))
         for leaf, w in (("w13", p13), ("w2", p2)):
@@ -175,8 +199,6 @@ class Fp8Experts(nn.Module):
                 q_all.data[x].copy_(q)
                 s_all.data[x].copy_(s.reshape(s_all.shape[1:]))
         if has_bias:
-            check_float_weight(b13, f"{self.name}.w13_bias", (e, 2 * i))
-            check_float_weight(b2, f"{self.name}.w2_bias", (e, h))
             pb13 = self._pad_w13(b13.to(device))
             pb2 = nn.functional.pad(b2.to(device), (0, self.h_pad - h))
             for leaf, b in (("w13_bias", pb13), ("w2_bias", pb2)):
@@ -197,6 +219,18 @@ class Fp8Experts(nn.Module):
                                  f"{old.dtype} {tuple(old.shape)}")
             setattr(self, leaf, nn.Parameter(t, requires_grad=False))
         self.backend = pick_expert_backend(self.w13.device, self, self.forced_backend)
+
+    def _check_finite(self, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None,
+                      b2: torch.Tensor | None) -> None:
+        """Raise NonFiniteExperts naming the first expert (and gate or up rows) that holds NaN or Inf."""
+        given = {"w13": w13, "w2": w2, "w13_bias": b13, "w2_bias": b2}
+        bad = nonfinite_slices({k: t for k, t in given.items() if t is not None}, {"w13": 2, "w13_bias": 2})
+        if bad:
+            text = [f"expert {x}'s {LEAF_TEXT[leaf]}" + (f" ({('gate', 'up')[p]} half)" if leaf.startswith("w13")
+                                                          else "") for leaf, x, p in bad]
+            more = f" (and {len(bad) - 1} more: {', '.join(text[1:4])})" if len(bad) > 1 else ""
+            raise NonFiniteExperts(f"{self.name or 'experts'}: {text[0]} contains NaN or Inf{more}; nothing "
+                                   "was written (fix or re-export the weights)", bad)
 
     def expert_weight(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Expert e's stored (w13 [2Ip, Hp], w13_scale, w2 [Hp, Ip], w2_scale)."""

@@ -23,13 +23,22 @@ from .hf import Slot, set_submodule
 from .hf_moe import (BIAS_LEAVES, FUSED_LEAVES, ExpertsLayout, empty_fp8_experts, experts_layout, experts_row,
                      hf_to_fused, target_experts)
 from .linear import check_float_weight
-from .moe import Fp8Experts
+from .moe import Fp8Experts, NonFiniteExperts
 from .report import ExpertsRow
+
+# Fp8Experts leaf -> the transformers parameter it is quantized from (error messages name the latter).
+HF_LEAF = {"w13": "gate_up_proj", "w2": "down_proj", "w13_bias": "gate_up_proj_bias", "w2_bias": "down_proj_bias"}
 
 
 def _natural(key: str) -> tuple:
     """Sort key that orders `experts.10` after `experts.9`."""
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split("."))
+
+
+def expert_index(key: str, pattern: str) -> int | None:
+    """The expert number that the `*` of a transformers source pattern matches in `key`."""
+    found = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key)
+    return int(found.group(1)) if found else None
 
 
 def hf_shapes(layer: Fp8Experts, layout: ExpertsLayout) -> dict[str, tuple[int, ...]]:
@@ -43,17 +52,23 @@ def hf_shapes(layer: Fp8Experts, layout: ExpertsLayout) -> dict[str, tuple[int, 
 
 
 class ExpertsLoad:
-    """The experts of one `fp8now.load`: swapped to meta `Fp8Experts`, fed tensor by tensor."""
+    """The experts of one `fp8now.load` (swapped to meta `Fp8Experts`) or of one `reload_weights` call
+    (`config=None`: the model's loaded `Fp8Experts`, rewritten in place), fed tensor by tensor."""
 
-    def __init__(self, model: nn.Module, config: Fp8Config) -> None:
-        targets, self.ignored = target_experts(model, config)
+    def __init__(self, model: nn.Module, config: Fp8Config | None) -> None:
         self.model = model
         self.layers: dict[str, tuple[Fp8Experts, ExpertsLayout]] = {}
-        for name, module in targets.items():
-            layout = experts_layout(name, module)
-            layer = empty_fp8_experts(name, module, config, "meta")
-            set_submodule(model, name, layer)
-            self.layers[name] = (layer, layout)
+        self.ignored: list[tuple[str, str]] = []
+        if config is None:
+            self.layers = {name: (m, m.hf_layout) for name, m in model.named_modules()
+                           if isinstance(m, Fp8Experts) and m.hf_layout is not None}
+        else:
+            targets, self.ignored = target_experts(model, config)
+            for name, module in targets.items():
+                layout = experts_layout(name, module)
+                layer = empty_fp8_experts(name, module, config, "meta")
+                set_submodule(model, name, layer)
+                self.layers[name] = (layer, layout)
         self.fused = {f"{name}.{leaf}": (name, shape) for name, (layer, layout) in self.layers.items()
                       for leaf, shape in hf_shapes(layer, layout).items()}
         self.rules: tuple[list, list] | None = None
@@ -83,32 +98,35 @@ class ExpertsLoad:
             self.converter_of = {p: c for c in self.rules[1] for p in c.source_patterns}
         return self.rules
 
-    def claim(self, key: str, path: Path, st_dtype: str, known: set[str], prefix: str
-              ) -> tuple[str | None, bool]:
-        """A key our names do not know, renamed by transformers' rules: (model name or None, is_part).
-
-        is_part: one of several tensors (e.g. one expert) that together make a fused experts param."""
+    def rename(self, key: str, known: set[str], prefix: str) -> tuple[str | None, str | None]:
+        """A key our names do not know, renamed by transformers' rules: (model name or None, the source
+        pattern when it is one of several tensors (e.g. one expert) that make a fused experts param)."""
         from transformers.core_model_loading import rename_source_key
 
         renamings, converters = self._rules()
         if self._lookup is None:   # built once: a checkpoint may hold ~1e5 per-expert keys
             self._lookup = dict.fromkeys(known | set(self.fused), True)
-        lookup = self._lookup
-        renamed, pattern = rename_source_key(key, renamings, converters, prefix or None, lookup)
-        if renamed not in lookup:
-            return None, False
-        if pattern is None:
+        renamed, pattern = rename_source_key(key, renamings, converters, prefix or None, self._lookup)
+        return (renamed, pattern) if renamed in self._lookup else (None, None)
+
+    def claim(self, key: str, path: Path | str, st_dtype: str, known: set[str], prefix: str
+              ) -> tuple[str | None, bool]:
+        """`rename`, and note a per-expert tensor as a part of its fused param: (model name or None, is_part).
+        `path`: where the key comes from (its file, or the call), for messages."""
+        renamed, pattern = self.rename(key, known, prefix)
+        if renamed is None or pattern is None:
             return renamed, False
         if renamed not in self.fused:
             raise ValueError(f"{path}: tensor {key!r} merges into {renamed!r}, an experts module left in "
-                             "bf16 (Fp8Config.ignore); fp8now.load cannot merge per-expert tensors into an "
+                             "bf16 (Fp8Config.ignore); fp8now cannot merge per-expert tensors into an "
                              "unquantized experts module yet: do not ignore these experts")
         if ST_DTYPES.get(st_dtype) not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"{path}: tensor {key!r} has dtype {st_dtype}; expected BF16, F16 or F32")
-        self.parts.setdefault(renamed, {}).setdefault(pattern, []).append(key)
-        self.pattern_of[key] = pattern
-        if self.tp is not None:
-            self.tp.claim(renamed, key, pattern)
+        if key not in self.pattern_of:   # reload_weights checks a dict before applying it: claimed twice
+            self.parts.setdefault(renamed, {}).setdefault(pattern, []).append(key)
+            self.pattern_of[key] = pattern
+            if self.tp is not None:
+                self.tp.claim(renamed, key, pattern)
         return renamed, True
 
     def check_parts(self, model_dir: Path) -> set[str]:
@@ -124,21 +142,25 @@ class ExpertsLoad:
                                      "match config.json (re-download it)")
         return set(self.parts)
 
-    def add(self, fused: str, key: str, t: torch.Tensor, path: Path, device: torch.device,
-            dtype: torch.dtype, measure: bool) -> None:
-        """Keep `t` on the host; when the layer of `fused` is complete, quantize it and add its row."""
+    def add(self, fused: str, key: str, t: torch.Tensor, path: Path | str, device: torch.device,
+            dtype: torch.dtype, measure: bool) -> bool:
+        """Keep `t` on the host; when the layer of `fused` is complete, quantize it, add its row and
+        return True. `path`: where `t` comes from (its file, or the call), for messages."""
         name, _ = self.fused[fused]
         leaf = fused.rsplit(".", 1)[1]
         held = self.pending.setdefault(name, {})
-        if fused in self.parts:
+        if leaf in held and isinstance(held[leaf], dict) != (key in self.pattern_of):
+            raise ValueError(f"{path}: {key!r}: {fused} was given both whole and as per-expert tensors; "
+                             "pass one of the two")
+        if key in self.pattern_of:
             held.setdefault(leaf, {})[key] = t
         else:
             held[leaf] = t
         layer, layout = self.layers[name]
         leaves = hf_shapes(layer, layout)
-        if any(lf not in held or (f"{name}.{lf}" in self.parts and len(held[lf]) < sum(
-                len(v) for v in self.parts[f"{name}.{lf}"].values())) for lf in leaves):
-            return
+        if any(lf not in held or (isinstance(held[lf], dict) and len(held[lf]) < layer.num_experts * len(
+                self._patterns(held[lf]))) for lf in leaves):   # counts: cheap with 1e5 expert tensors
+            return False
         tensors = {lf: self._merge(f"{name}.{lf}", held.pop(lf), path) for lf in leaves}
         del self.pending[name]
         for lf, shape in leaves.items():
@@ -148,11 +170,60 @@ class ExpertsLoad:
         try:
             load(w13.to(device), w2.to(device), *(None if b is None else b.to(device=device, dtype=dtype)
                                                   for b in (b13, b2)))
+        except NonFiniteExperts as e:
+            raise ValueError(f"{path}: {self._nonfinite_text(name, e.where)} contains NaN or Inf; fix or "
+                             "re-export the weights (nothing of this experts module was written)") from None
         except ValueError as e:
             raise ValueError(f"{path}: experts {name}: {e}") from None
         self.rows.append(experts_row(layer, w13, w2, measure))
+        return True
 
-    def _merge(self, fused: str, held, path: Path) -> torch.Tensor:
+    def _patterns(self, parts: dict) -> list[str]:
+        """The source patterns of the converter that merges `parts` (per-expert keys)."""
+        return self.converter_of[self.pattern_of[next(iter(parts))]].source_patterns
+
+    def missing(self, name: str) -> list[str]:
+        """What layer `name` still waits for: whole transformers params, or experts of a per-expert pattern."""
+        layer, layout = self.layers[name]
+        held = self.pending.get(name, {})
+        out = []
+        for lf in hf_shapes(layer, layout):
+            fused, got = f"{name}.{lf}", held.get(lf)
+            if got is None:
+                out.append(fused)
+            elif isinstance(got, dict):
+                for pattern in self._patterns(got):
+                    have = {expert_index(k, pattern) for k in got if self.pattern_of[k] == pattern}
+                    lacking = [str(e) for e in range(layer.num_experts) if e not in have]
+                    if lacking:
+                        out.append(f"{fused}: experts {', '.join(lacking)} of {pattern!r}")
+        return out
+
+    def _nonfinite_text(self, name: str, where: list[tuple[str, int, int]]) -> str:
+        """The checkpoint tensors (or fused params and experts) that NonFiniteExperts found bad."""
+        texts = []
+        for leaf, e, part in where:
+            fused = f"{name}.{HF_LEAF[leaf]}"
+            by_pattern, keys = self.parts.get(fused), []
+            if by_pattern:   # stored one tensor per expert: name that expert's tensor
+                patterns = self.converter_of[next(iter(by_pattern))].source_patterns
+                pattern = patterns[min(part, len(patterns) - 1)]   # gate_up from two patterns: gate, then up
+                keys = [k for k in by_pattern.get(pattern, []) if expert_index(k, pattern) == e]
+            texts.append(repr(keys[-1]) if keys else f"{fused!r} (expert {e})")
+        more = f" (and {len(texts) - 1} more: {', '.join(texts[1:4])})" if len(texts) > 1 else ""
+        return f"tensor {texts[0]}{more}"
+
+    def check_merges(self, given: dict[str, torch.Tensor], where: str) -> None:
+        """Merge every complete set of per-expert tensors in `given` on the meta device (no data) and check
+        the fused shape, so that a wrong expert shape fails before anything is written."""
+        for fused, by_pattern in self.parts.items():
+            keys = [k for ks in by_pattern.values() for k in ks if k in given]
+            layer, layout = self.layers[self.fused[fused][0]]
+            if keys and len(keys) == layer.num_experts * len(self._patterns(dict.fromkeys(keys))):
+                merged = self._merge(fused, {k: given[k].to("meta") for k in keys}, where)
+                check_float_weight(merged, fused, hf_shapes(layer, layout)[fused.rsplit(".", 1)[1]])
+
+    def _merge(self, fused: str, held, path: Path | str) -> torch.Tensor:
         """A fused tensor: as stored, or merged from its parts by transformers' own converter."""
         if not isinstance(held, dict):
             return held

@@ -79,6 +79,18 @@ def projection_summary(layers: list[dict]) -> list[dict]:
     return out
 
 
+def experts_summary(experts: list[dict]) -> list[dict]:
+    """The MoE experts modules as one more summary row (type "experts"): the worst expert of any module,
+    the median of the modules' medians, the module holding the worst expert; [] for a dense model."""
+    if not experts:
+        return []
+    db = [math.inf if r["min_sqnr_db"] is None else r["min_sqnr_db"] for r in experts]
+    worst = min(range(len(experts)), key=db.__getitem__)
+    medians = [math.inf if r["median_sqnr_db"] is None else r["median_sqnr_db"] for r in experts]
+    return [{"type": "experts", "count": len(experts), "sqnr_min_db": db[worst],
+             "sqnr_median_db": statistics.median(medians), "worst_layer": experts[worst]["name"]}]
+
+
 def format_summary(rows: list[dict]) -> list[str]:
     def db(x: float) -> str:
         return f"{x:.1f}" if math.isfinite(x) else "inf"
@@ -91,6 +103,7 @@ def format_summary(rows: list[dict]) -> list[str]:
 def format_inspect(report, summary: list[dict]) -> str:
     """The summary rows, what was left alone, then the report's size/time lines."""
     lines = format_summary(summary)
+    lines += [line.split(" SQNR dB")[0] for line in report.experts_lines()]   # the summary row has the SQNR
     lines += [f"left alone: {name} ({why})" for name, why in report.ignored]
     lines += [f"skipped checkpoint tensor: {name} ({why})" for name, why in report.skipped_tensors]
     return "\n".join(lines + report.summary_lines())

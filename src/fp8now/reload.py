@@ -8,19 +8,30 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
+from .checkpoint import ST_DTYPES
 from .finite import check_finite
 from .hf import Slot, model_slots, resolve_name
 from .legacy import legacy_reason
 from .linear import Fp8Linear, check_float_weight
+from .moe_load import ExpertsLoad
 from .report import ReloadReport
+
+_ST_NAME = {dtype: name for name, dtype in ST_DTYPES.items()}
+WHERE = "reload_weights"
 
 
 def _reload_slot(key: str, t: torch.Tensor, slots: dict[str, Slot], alias_of: dict[str, str],
-                 computed: set[str], prefix: str, known: set[str]) -> tuple[str, Slot | None]:
-    """The model name and slot for a reloaded tensor (None: a computed buffer); checks shape and dtype."""
+                 computed: set[str], prefix: str, known: set[str], experts: ExpertsLoad
+                 ) -> tuple[str, Slot | None]:
+    """The model name and slot for a reloaded tensor (None: a computed buffer); checks shape and dtype.
+    One expert's tensor (`mlp.experts.3.gate_proj.weight`) gives the fused experts param it merges into."""
     name = resolve_name(key, known, prefix)
     if name is None and legacy_reason(key):
         return key, None
+    if name is None and experts.layers and isinstance(t, torch.Tensor):
+        name, is_part = experts.claim(key, WHERE, _ST_NAME.get(t.dtype, str(t.dtype)), known, prefix)
+        if is_part:
+            return name, slots[name]
     if name is None:
         example = next(iter(slots), "")
         raise ValueError(f"reload_weights: {key!r} is not a tensor of this model (names look like "
@@ -57,6 +68,9 @@ def reload_weights(model: nn.Module,
     arrived, and the results are copied into its existing storage: Parameter objects and data_ptr()
     never change, so captured CUDA graphs stay valid. Other tensors are copied in place. A layer
     whose weight or bias is missing from this call is not touched and is listed in `report.partial`.
+    MoE experts take transformers' fused names (`mlp.experts.gate_up_proj`) or the per-expert names
+    of checkpoints (`mlp.experts.3.gate_proj.weight`, Mixtral's `w1/w3/w2`), merged by transformers'
+    own rules; an experts module is re-quantized once all of its experts arrived.
     A dict or list is all-or-nothing: names, shapes, dtypes and NaN/Inf of every tensor are checked
     before the first write. A streaming iterable is applied layer by layer, each layer whole or not
     at all; its error lists exactly what was already applied. Unknown names raise.
@@ -67,26 +81,30 @@ def reload_weights(model: nn.Module,
     if tp is not None:
         tp.full_shapes_into(slots)
     prefix = getattr(model, "base_model_prefix", "") or ""
+    experts = ExpertsLoad(model, None)   # Fp8Experts: transformers' names instead of w13/w2 and scales
+    experts.add_slots(slots)
     known = set(slots) | set(alias_of) | computed
     items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else named_tensors
     checked = isinstance(items, (list, tuple))
     if checked:
         for key, t in items:
-            _reload_slot(key, t, slots, alias_of, computed, prefix, known)
+            _reload_slot(key, t, slots, alias_of, computed, prefix, known, experts)
         try:
+            experts.check_merges(dict(items), WHERE)
             check_finite([(t, f"tensor {key!r}") for key, t in items])
         except ValueError as e:
-            raise ValueError(f"reload_weights: {e}; nothing of this call was applied") from None
+            raise ValueError(f"{WHERE}: {e}; nothing of this call was applied") from None
     report = ReloadReport()
     pending: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     for key, t in items:
         try:
-            _apply_one(key, t, slots, alias_of, computed, prefix, known, pending, report, checked, tp)
+            _apply_one(key, t, slots, alias_of, computed, prefix, known, pending, report, checked, tp, experts)
         except (ValueError, TypeError) as e:
             raise type(e)(f"{e}; {_applied(report)}") from None
     for layer_name, parts in pending.items():
         needed = ("weight", "bias") if slots[f"{layer_name}.weight"].owner.bias is not None else ("weight",)
         report.partial.append((layer_name, [f"{layer_name}.{leaf}" for leaf in needed if leaf not in parts]))
+    report.partial += [(name, experts.missing(name)) for name in experts.pending]
     report.seconds = time.perf_counter() - start
     return report
 
@@ -94,12 +112,19 @@ def reload_weights(model: nn.Module,
 def _apply_one(key: str, t: torch.Tensor, slots: dict[str, Slot], alias_of: dict[str, str],
                computed: set[str], prefix: str, known: set[str],
                pending: dict[str, dict[str, tuple[str, torch.Tensor]]], report: ReloadReport,
-               checked: bool, tp) -> None:
-    """Write one tensor (or, with its last part, one whole FP8 layer); `checked`: NaN/Inf done already;
-    `tp`: the model's TpState (each rank keeps its slice) or None."""
-    name, slot = _reload_slot(key, t, slots, alias_of, computed, prefix, known)
+               checked: bool, tp, experts: ExpertsLoad) -> None:
+    """Write one tensor (or, with its last part, one whole FP8 layer or experts module); `checked`:
+    NaN/Inf done already; `tp`: the model's TpState (each rank keeps its slice) or None."""
+    name, slot = _reload_slot(key, t, slots, alias_of, computed, prefix, known, experts)
     if slot is None:
         report.skipped.append(key)
+        return
+    if slot.kind == "experts":   # Fp8Experts.load_ checks NaN/Inf of the whole module before writing
+        layer = slot.owner
+        bias_dtype = layer.w13_bias.dtype if layer.w13_bias is not None else layer.w13.dtype
+        with torch.no_grad():
+            if experts.add(name, key, t, WHERE, layer.w13.device, bias_dtype, measure=False):
+                report.updated_layers.append(layer.name)
         return
     if slot.kind != "fp8":
         if not checked:

@@ -53,6 +53,7 @@ class ExpertsRow:
     bias: bool
     min_sqnr_db: float | None
     median_sqnr_db: float | None
+    act: str = ""   # the experts' activation scales: token or group (never one over the batch)
 
 
 @dataclass
@@ -104,12 +105,16 @@ class LoadReport:
                            for i, (x, w) in enumerate(zip(line, widths))).rstrip()
                  for line in (head, *rows)]
         lines.insert(1, "-" * len(lines[0]))
-        lines += [f"experts: {r.name} E={r.num_experts} H={r.hidden} I={r.intermediate} {r.scheme} "
-                  f"{r.backend} bias={'yes' if r.bias else 'no'} SQNR dB min {_num(r.min_sqnr_db, '{:.1f}')} "
-                  f"median {_num(r.median_sqnr_db, '{:.1f}')}" for r in self.experts]
+        lines += self.experts_lines()
         lines += [f"left alone: {name} ({why})" for name, why in self.ignored]
         lines += [f"skipped checkpoint tensor: {name} ({why})" for name, why in self.skipped_tensors]
         return "\n".join(lines + self.summary_lines())
+
+    def experts_lines(self) -> list[str]:
+        """One line per quantized MoE experts module."""
+        return [f"experts: {r.name} E={r.num_experts} H={r.hidden} I={r.intermediate} {r.scheme} "
+                + (f"act={r.act} " if r.act else "") + f"{r.backend} bias={'yes' if r.bias else 'no'} SQNR dB min {_num(r.min_sqnr_db, '{:.1f}')} median "
+                f"{_num(r.median_sqnr_db, '{:.1f}')}" for r in self.experts]
 
     def summary_lines(self) -> list[str]:
         """Two lines: bf16 vs FP8 bytes and the whole model; load time and peak memory."""
@@ -117,7 +122,10 @@ class LoadReport:
         peak = "n/a (not CUDA)" if self.peak_device_bytes is None else _mib(self.peak_device_bytes)
         if self.device_bytes_at_start:
             peak += f" (incl. {_mib(self.device_bytes_at_start)} held before the load)"
-        lines = [f"quantized {len(self.layers)} layers ({self.scheme}): {_mib(self.bf16_bytes)} bf16 -> "
+        experts = "" if not self.experts else (
+            f" and {len(self.experts)} experts modules ({sum(r.num_experts for r in self.experts)} experts, "
+            f"{'/'.join(sorted({r.scheme for r in self.experts}))})")
+        lines = [f"quantized {len(self.layers)} layers ({self.scheme}){experts}: {_mib(self.bf16_bytes)} bf16 -> "
                 f"{_mib(self.fp8_bytes)} fp8 incl. scales ({ratio:.2f}x smaller); whole model "
                 f"{_mib(self.model_bytes)} on {self.device}"
                 + (f" + {_mib(self.work_bytes)} of backend working copies" if self.work_bytes else ""),
