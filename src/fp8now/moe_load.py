@@ -158,8 +158,8 @@ class ExpertsLoad:
             held[leaf] = t
         layer, layout = self.layers[name]
         leaves = hf_shapes(layer, layout)
-        if any(lf not in held or (isinstance(held[lf], dict) and len(held[lf]) < layer.num_experts * len(
-                self._patterns(held[lf]))) for lf in leaves):   # counts: cheap with 1e5 expert tensors
+        if any(lf not in held or (isinstance(held[lf], dict) and len(held[lf]) < self.fused[f"{name}.{lf}"][1][0]
+                * len(self._patterns(held[lf]))) for lf in leaves):   # all experts' keys pass, other ranks' as None
             return False
         tensors = {lf: self._merge(f"{name}.{lf}", held.pop(lf), path) for lf in leaves}
         del self.pending[name]
