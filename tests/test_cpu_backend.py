@@ -53,7 +53,8 @@ def test_matches_the_exact_product(scheme, act, n, k, bias):
 @pytest.mark.parametrize("m,k", [(9, 1), (9, 128), (9, 300), (9, 576), (300, 576)])
 def test_activation_bytes_are_numerics_bytes(act, m, k):
     """The backend's widened activation is exactly q * s of `numerics.quantize_activation` (300 x 576:
-    rounding in float32 bits rather than torch's cast)."""
+    more than one chunk of rows)."""
+    assert 300 * 576 > cpu.ACT_CHUNK
     x = varied((m, k), torch.bfloat16, seed=k, spread=8)
     x[2] = 0                                       # all-zero row: the scale floors
     x[3, 0] = 3e38                                 # a huge value beside small ones

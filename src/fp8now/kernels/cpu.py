@@ -27,6 +27,7 @@ from .plan import Path, Weights
 INVARIANT_ROWS = 16          # GEMM rows per call in batch-invariant mode
 WORK_DTYPE = torch.bfloat16  # every e4m3 value is exact in it
 _CHUNK_BYTES = 16 << 20      # float32 temporary per weight chunk while widening
+ACT_CHUNK = 1 << 17            # activation elements quantized at a time (float32 temporaries in cache)
 _EXPONENT_BITS = 0x7F800000  # float32 exponent field
 _MIN_EXPONENT = 121 << 23     # 2^-6, e4m3's smallest normal: below it the spacing stays 2^-9
 _MAGIC_OFFSET = (20 << 23) | (1 << 22)  # 2^e -> 1.5 * 2^(e + 20) in float32 bits
@@ -69,11 +70,24 @@ def working_copy(w_q: torch.Tensor, w_scale: torch.Tensor, scheme: Scheme,
 
 
 def widened_activation(x: torch.Tensor, act_kind: str) -> torch.Tensor:
-    """bf16 `q_x * s_x` of x [M, K] quantized dynamically (per "token", "tensor", or 1x128 "group")."""
+    """bf16 `q_x * s_x` of x [M, K] quantized dynamically (per "token", "tensor", or 1x128 "group").
+
+    Row chunks of about `ACT_CHUNK` elements: their float32 temporaries stay in cache and are
+    reused by the allocator, where whole-tensor ones cost a trip to memory (and page faults) per pass.
+    """
     m, k = x.shape
-    q, s = activation_values(x, act_kind)
-    y = q.mul_(s).to(WORK_DTYPE)                   # [M, K] or [M, G, 128]; the product rounded once
-    return y.view(m, -1)[:, :k] if act_kind == "group" else y
+    xg = _grouped(x, act_kind)                     # [M, K] or [M, G, 128]
+    rule = ACT_RULE[act_kind]
+    rows = max(ACT_CHUNK // max(xg[0].numel(), 1), 1)
+    scale = None
+    if rule == "tensor":                           # one scale for all rows: the amax first
+        amax = torch.stack([c.abs().amax() for c in xg.split(rows)]).amax() if m else xg.new_zeros(())
+        scale = scale_from_amax(amax, rule)
+    out = torch.empty(xg.shape, dtype=WORK_DTYPE)
+    for r in range(0, m, rows):
+        q, s = _values(xg[r:r + rows], rule, scale)
+        out[r:r + rows] = q.mul_(s)                # the product rounded once, to bf16
+    return out.view(m, -1)[:, :k] if act_kind == "group" else out
 
 
 def activation_values(x: torch.Tensor, act_kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,23 +98,32 @@ def activation_values(x: torch.Tensor, act_kind: str) -> tuple[torch.Tensor, tor
     the values are rounded by `round_e4m3_` instead of a cast to FP8 and back (whose way back is a
     scalar loop on CPU), and no FP8 tensor is made. A zero may come out as +0 where the byte is -0.
     """
-    m, k = x.shape
+    return _values(_grouped(x, act_kind), ACT_RULE[act_kind])
+
+
+def _grouped(x: torch.Tensor, act_kind: str) -> torch.Tensor:
+    """x [M, K] as its activation groups: [M, K] per token or tensor, [M, G, 128] zero-padded per group."""
     if act_kind == "group":
+        m, k = x.shape
         pad = -k % 128
-        x = (F.pad(x, (0, pad)) if pad else x).view(m, -1, 128)
-    elif act_kind not in ("token", "tensor"):
+        return (F.pad(x, (0, pad)) if pad else x).view(m, -1, 128)
+    if act_kind not in ("token", "tensor"):
         raise ValueError(f"unknown activation kind {act_kind!r}; valid: token, tensor, group")
-    a = x.abs()                                    # exact in x's dtype; one pass less than in float32
-    amax = a.amax() if act_kind == "tensor" else a.amax(dim=-1, keepdim=True)
-    del a
-    rule = ACT_RULE[act_kind]
-    s = scale_from_amax(amax, rule)
-    q = x.float()
+    return x
+
+
+def _values(xg: torch.Tensor, rule: str, scale: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 e4m3 values and scales of grouped rows xg (the scale measured per last dim unless given)."""
+    if scale is None:
+        a = xg.abs()                               # exact in x's dtype, half the bytes of float32
+        scale = scale_from_amax(a.amax() if rule == "tensor" else a.amax(dim=-1, keepdim=True), rule)
+    q = xg.float()
     if rule == "tensor":
-        q.mul_(torch.ones_like(s) / s)             # numerics: x * (1/s) for this rule
+        q.mul_(torch.ones_like(scale) / scale)     # numerics: x * (1/s) for this rule
     else:
-        q.div_(s)
-    return round_e4m3_(q), s
+        q.div_(scale)
+    return round_e4m3_(q), scale
 
 
 def round_e4m3_(y: torch.Tensor) -> torch.Tensor:
