@@ -78,16 +78,23 @@ def widened_activation(x: torch.Tensor, act_kind: str) -> torch.Tensor:
     m, k = x.shape
     xg = _grouped(x, act_kind)                     # [M, K] or [M, G, 128]
     rule = ACT_RULE[act_kind]
-    rows = max(ACT_CHUNK // max(xg[0].numel(), 1), 1)
+    rows = max(ACT_CHUNK // max(k + (-k % 128 if act_kind == "group" else 0), 1), 1)
+    if m <= rows:                                  # one chunk (decode): fewer calls
+        q, s = _values(xg, rule)
+        return _flat(q.mul_(s).to(WORK_DTYPE), m, k)  # the product rounded once, to bf16
     scale = None
     if rule == "tensor":                           # one scale for all rows: the amax first
-        amax = torch.stack([c.abs().amax() for c in xg.split(rows)]).amax() if m else xg.new_zeros(())
-        scale = scale_from_amax(amax, rule)
+        scale = scale_from_amax(torch.stack([c.abs().amax() for c in xg.split(rows)]).amax(), rule)
     out = torch.empty(xg.shape, dtype=WORK_DTYPE)
     for r in range(0, m, rows):
         q, s = _values(xg[r:r + rows], rule, scale)
-        out[r:r + rows] = q.mul_(s)                # the product rounded once, to bf16
-    return out.view(m, -1)[:, :k] if act_kind == "group" else out
+        out[r:r + rows] = q.mul_(s)
+    return _flat(out, m, k)
+
+
+def _flat(y: torch.Tensor, m: int, k: int) -> torch.Tensor:
+    """Grouped rows back to [M, K] (a view; drops a last group's padding)."""
+    return y.view(m, -1)[:, :k] if y.dim() == 3 else y
 
 
 def activation_values(x: torch.Tensor, act_kind: str) -> tuple[torch.Tensor, torch.Tensor]:
