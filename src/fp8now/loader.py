@@ -24,6 +24,7 @@ from .linear import Fp8Linear, check_float_weight
 from .moe_load import ExpertsLoad
 from .quantize import build_report, layer_row, quantize_  # noqa: F401  (quantize_: also public here)
 from .report import LayerRow, LoadReport
+from .shared_input import share_inputs
 from .tensor_file import read_tensors
 from .tp import TpState, shard
 
@@ -286,6 +287,7 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
                                    getattr(model, "base_model_prefix", "") or "", experts)
     rows = _stream(by_file, slots, device, dtype, measure_error, experts, tp)
     _finish(model, device, str(model_dir))
+    share_inputs(model)
     _trim_heap()
     report = build_report(model, rows, ignored + experts.ignored, str(model_dir), device, dtype, config)
     add_experts(report, model, experts.rows)

@@ -174,11 +174,14 @@ def prepare(w_q: torch.Tensor, w_scale: torch.Tensor, scheme: Scheme,
     return working_copy(w_q, w_scale, scheme, out)
 
 
-def linear(x: torch.Tensor, weights: Weights, path: Path) -> torch.Tensor:
+def linear(x: torch.Tensor, weights: Weights, path: Path, x_w: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = quantize(x [M, K]) @ W.T + bias in x.dtype. `weights.workspace`: the layer's working
-    copy from `prepare` (None: widened for this call only, which is slow)."""
+    copy from `prepare` (None: widened for this call only, which is slow). `x_w` [M, K]: x's
+    `widened_activation` when already made (a sibling layer reading the same input)."""
     work = weights.workspace
     if work is None:
         work = working_copy(weights.w_q, weights.w_scale, path.scheme)
-    y = matmul(widened_activation(x, path.act), work, weights.bias, path.invariant)
+    if x_w is None:
+        x_w = widened_activation(x, path.act)
+    y = matmul(x_w, work, weights.bias, path.invariant)
     return y.to(x.dtype)
