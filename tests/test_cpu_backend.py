@@ -14,7 +14,7 @@ from fp8now.loader import load
 from fp8now.numerics import quantize_activation, quantize_weight
 from fp8now.reload import reload_weights
 from tiny import write_tiny_checkpoint
-from fp8_oracle import varied
+from fp8_oracle import fp8_values, round_fp8, varied
 
 # (scheme, activation kind): the three schemes with their default activations, and per-tensor ones.
 KINDS = [(Scheme.TENSOR, "token"), (Scheme.CHANNEL, "token"), (Scheme.BLOCK, "group"),
@@ -53,7 +53,8 @@ def test_matches_the_exact_product(scheme, act, n, k, bias):
 @pytest.mark.parametrize("m,k", [(9, 1), (9, 128), (9, 300), (9, 576), (300, 576)])
 def test_activation_bytes_are_numerics_bytes(act, m, k):
     """The backend's widened activation is exactly q * s of `numerics.quantize_activation` (300 x 576:
-    rounding in float32 bits rather than torch's cast)."""
+    more than one chunk of rows)."""
+    assert 300 * 576 > cpu.ACT_CHUNK
     x = varied((m, k), torch.bfloat16, seed=k, spread=8)
     x[2] = 0                                       # all-zero row: the scale floors
     x[3, 0] = 3e38                                 # a huge value beside small ones
@@ -64,19 +65,52 @@ def test_activation_bytes_are_numerics_bytes(act, m, k):
     assert torch.equal(cpu.widened_activation(x, act), want)
 
 
-def test_fp8_rounding_in_bits_is_the_cast():
-    """Every e4m3 value, every midpoint between neighbours (ties to even), their float32 neighbours,
-    subnormals and random magnitudes: the float32-bit rounding gives the cast's values."""
-    g = torch.Generator().manual_seed(0)
-    vals = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-    vals = vals[torch.isfinite(vals)].unique()
-    mids = (vals[1:] + vals[:-1]) / 2
-    near = torch.cat([torch.nextafter(mids, torch.tensor(0.0)), torch.nextafter(mids, torch.tensor(1e9))])
-    rand = torch.randn(100_000, generator=g) * 10.0 ** torch.randint(-5, 3, (100_000,), generator=g)
-    y = torch.cat([vals, mids, near, rand]).clamp(-448, 448)
-    y = torch.cat([y, -y])
-    assert y.numel() >= cpu.ROUND_ARITH_MIN
-    assert torch.equal(cpu.fp8_values(y.clone()), y.to(torch.float8_e4m3fn).float())
+def _near_every_boundary(ulps: int = 1 << 12) -> torch.Tensor:
+    """Every float32 within `ulps` steps of each e4m3 value and each midpoint between neighbours
+    (the rounding boundaries, up to 464: above 448 everything rounds to 448), plus one float32 in
+    every 997 from 0 to 464 (subnormal range and float32 subnormals included); both signs."""
+    vals = fp8_values().float()
+    points = torch.cat([vals, (vals[1:] + vals[:-1]) / 2, torch.tensor([464.0])])
+    near = points.view(torch.int32)[:, None] + torch.arange(-ulps, ulps + 1, dtype=torch.int32)
+    top = int(torch.tensor(464.0).view(torch.int32))
+    bits = torch.cat([near.flatten().clamp(0, top), torch.arange(0, top, 997, dtype=torch.int32)])
+    y = bits.view(torch.float32)
+    return torch.cat([y, -y])
+
+
+def test_rounding_in_float32_bits_is_the_cast_near_every_boundary():
+    """`round_e4m3_` against torch's cast (clamped to ±448 first, as numerics does) and against the
+    table-driven oracle, over every float32 near each rounding boundary: ties, normals, subnormals,
+    zeros, the clamp range and both signs. Equal as values; only the sign of a zero may differ."""
+    y = _near_every_boundary()
+    assert y.numel() > 4_000_000
+    got = cpu.round_e4m3_(y.clone())
+    cast = y.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    assert torch.equal(got, cast)
+    assert torch.equal(got.double(), round_fp8(y.clamp(-448, 448).double()))
+
+
+@pytest.mark.parametrize("act", ["token", "tensor", "group"])
+def test_activation_values_are_the_quantizers_values(act):
+    """The float32 values the backend multiplies are `quantize_activation`'s bytes widened, and its
+    scales are the same, on fresh inputs with zero rows, ties (powers of two beside the amax), tiny
+    subnormal-range values, huge values and both signs; K off a multiple of 128."""
+    g = torch.Generator().manual_seed(7)
+    m, k = 64, 300
+    x = torch.randn(m, k, generator=g) * 10.0 ** torch.randint(-6, 4, (m, 1), generator=g)
+    x[:, ::7] = 2.0 ** torch.randint(-20, 3, (m, 1), generator=g).float()  # exact ties after the scale
+    x[1] = 0
+    x[3, 5] = 1e-30
+    x[5, 10:40] = x[5].abs().max() * 2.0 ** -torch.linspace(8, 22, 30)  # the subnormal range and below
+    x[4, 9] = -3e38 if act != "tensor" else -3e4     # per tensor: the others would all round to 0
+    x = x.to(torch.bfloat16)
+    q_want, s_want = quantize_activation(x, act)
+    q, s = cpu.activation_values(x, act)
+    if act == "group":
+        q, s = q.view(m, -1)[:, :k], s.view(m, -1)
+    assert torch.equal(s, s_want)
+    assert torch.equal(q, q_want.float())
+    assert (q == 0).sum() > k and ((q != 0) & (q.abs() < 2 ** -6)).any()  # zeros and subnormals happen
 
 
 def test_batch_invariant_rows_are_bit_identical_whatever_the_batch():

@@ -90,6 +90,8 @@ class Fp8Linear(nn.Module):
         # State a backend derives from the FP8 bytes (its `prepare` hook: the cpu backend's bf16 working
         # copy). A plain attribute: not in state_dict, not moved by `.to()`; rebuilt on every load_.
         self._work: torch.Tensor | None = None
+        # Set by `shared_input.share_inputs`: one activation quantization for siblings reading one input.
+        self.input_memo = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: Fp8Config | None = None, name: str = ""
@@ -184,10 +186,10 @@ class Fp8Linear(nn.Module):
         if 0 < x2.shape[0] <= self._graph_rows and decode_graphs.usable(x2):   # rows > 0: _graphs is set
             y = self._graphs.run(x2, self._launch, self.out_features, self._addresses())
         else:
-            y = self._launch(x2)
+            y = self._launch(x2, x)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def _launch(self, x2: torch.Tensor) -> torch.Tensor:
+    def _launch(self, x2: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
         """The backend's linear on x2 [M, K] -> [M, N], along this call's planned path."""
         m = x2.shape[0]
         if torch.compiler.is_compiling():
@@ -198,8 +200,14 @@ class Fp8Linear(nn.Module):
                 path = self.path(m)
                 if len(self._paths) < _PATHS_KEPT:
                     self._paths[m] = path
-        return self._impl.linear(x2, Weights(self.weight, self.weight_scale, self.bias,
-                                           self.workspace if self._work is None else self._work), path)
+        weights = Weights(self.weight, self.weight_scale, self.bias,
+                          self.workspace if self._work is None else self._work)
+        widen = getattr(self._impl, "widened_activation", None)   # the cpu backend's hook
+        if (self.input_memo is not None and widen is not None and x is not None
+                and not torch.compiler.is_compiling()):
+            x_w = self.input_memo.widened(x, lambda: widen(x2, path.act))
+            return self._impl.linear(x2, weights, path, x_w)
+        return self._impl.linear(x2, weights, path)
 
     def _addresses(self) -> tuple[int, ...]:
         """Where the tensors a captured call reads live (a graph is valid while these stay)."""

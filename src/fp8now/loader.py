@@ -24,10 +24,14 @@ from .linear import Fp8Linear, check_float_weight
 from .moe_load import ExpertsLoad
 from .quantize import build_report, layer_row, quantize_  # noqa: F401  (quantize_: also public here)
 from .report import LayerRow, LoadReport
+from .shared_input import share_inputs
 from .tensor_file import read_tensors
 from .tp import TpState, shard
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Source weight bytes quantized between heap trims: the freed temporaries of a load are given back as it
+# goes, so they do not pile up into the process peak.
+TRIM_EVERY_BYTES = 32 << 20
 
 
 def _source_map(model_dir: Path, files: list[Path], slots: dict[str, Slot], alias_of: dict[str, str],
@@ -157,6 +161,7 @@ def _stream(by_file: dict[Path, list[tuple[str, str]]], slots: dict[str, Slot], 
     rows: list[LayerRow] = []
     pending: dict[str, dict[str, tuple[torch.Tensor, Path, str]]] = {}
     finite = FiniteCheck()  # non-quantized tensors; the quantizer checks the weights it quantizes
+    since_trim = 0          # source weight bytes quantized (and freed) since the heap was last trimmed
     for path, entries in by_file.items():
         names = dict(entries)
         reader = _read(path, list(names)) if tp is None else tp.read_file(path, names)  # tp: its slices
@@ -175,7 +180,13 @@ def _stream(by_file: dict[Path, list[tuple[str, str]]], slots: dict[str, Slot], 
             parts[slot.leaf] = (t, path, key)
             del t
             if "weight" in parts and (layer.bias is None or "bias" in parts):
+                w = parts["weight"][0]
+                since_trim += w.numel() * w.element_size()
+                del w
                 rows.append(_quantize_layer(layer, pending.pop(layer.name), device, dtype, measure, finite, tp))
+                if since_trim >= TRIM_EVERY_BYTES:
+                    _trim_heap()
+                    since_trim = 0
     pending_names = [*pending, *(experts.unfinished() if experts is not None else [])]
     if pending_names:  # cannot happen after _source_map; kept as a guard against silent partial loads
         raise RuntimeError(f"layers left incomplete after reading every file: {', '.join(pending_names)}")
@@ -285,6 +296,7 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
                                    getattr(model, "base_model_prefix", "") or "", experts)
     rows = _stream(by_file, slots, device, dtype, measure_error, experts, tp)
     _finish(model, device, str(model_dir))
+    share_inputs(model)
     _trim_heap()
     report = build_report(model, rows, ignored + experts.ignored, str(model_dir), device, dtype, config)
     add_experts(report, model, experts.rows)
