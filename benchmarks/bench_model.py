@@ -88,7 +88,10 @@ def implementations(args) -> dict:
     """impl name -> loader, filtered by --impls (an unknown name is an error listing the known ones)."""
     from fp8now.bench_load import bf16_loader, fp8now_loader
 
-    impls = {"bf16": bf16_loader, **{f"fp8now-{s}": fp8now_loader(s) for s in args.schemes.split(",") if s}}
+    schemes = [s for s in args.schemes.split(",") if s]
+    impls = {"bf16": bf16_loader, **{f"fp8now-{s}": fp8now_loader(s) for s in schemes}}
+    if args.fast_accum:   # Fp8Config(fast_accum=True): the tensor cores' fast accumulation (not block)
+        impls.update({f"fp8now-{s}-fast": fp8now_loader(s, fast_accum=True) for s in schemes if s != "block"})
     if args.torchao:
         impls.update({f"torchao-row{suffix}": torchao_loader(fast) for suffix, fast in TORCHAO_ACCUM[args.torchao_accum]})
     if not args.impls:
@@ -128,6 +131,8 @@ def main() -> None:
     ap.add_argument("--torchao", action="store_true", help="add torchao's float8 per-row peers")
     ap.add_argument("--torchao-accum", default="both", choices=sorted(TORCHAO_ACCUM),
                     help="torchao-row (fast, its default), torchao-row-f32acc (f32), or both (default)")
+    ap.add_argument("--fast-accum", action="store_true",
+                    help="also fp8now-<scheme>-fast: tensor / channel with Fp8Config(fast_accum=True)")
     ap.add_argument("--impls", default="", help="only these implementations, e.g. bf16,fp8now-channel")
     ap.add_argument("--profile", action="store_true", help="GPU time per kernel family of every prefill and "
                     "decode row (torch.profiler; CUDA only)")

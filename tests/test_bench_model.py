@@ -206,3 +206,20 @@ def test_agreement_against_a_direct_computation():
     out = agreement(ref, got, torch.device("cpu"))
     assert out["tokens"] == 8 and out["kl"] == pytest.approx(sum(kls) / 8, rel=1e-9)
     assert out["top1"] == same / 8 and 0 < out["kl"] and same < 8
+
+
+def test_fast_accum_implementations(tmp_path):
+    """--fast-accum adds fp8now-<scheme>-fast for tensor and channel only (block has no fast mode); on the
+    CPU their load fails as a row naming fast_accum (no backend has it there), the others still run."""
+    ckpt = tmp_path / "m"
+    out = tmp_path / "fast.json"
+    r = script("tiny", "--device", "cpu", "--workdir", str(ckpt), "--out", str(out), "--schemes", "channel,block",
+               "--fast-accum", "--impls", "bf16,fp8now-channel-fast", "--phases", "load", *SMALL)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    fast = [x for x in rows if x["impl"] == "fp8now-channel-fast"]
+    assert fast and all("fast_accum" in x.get("error", "") for x in fast), fast
+    assert any(x["impl"] == "bf16" and "error" not in x for x in rows)
+    r = script("tiny", "--device", "cpu", "--workdir", str(ckpt), "--out", str(out), "--schemes", "channel,block",
+               "--fast-accum", "--impls", "fp8now-block-fast", *SMALL)
+    assert r.returncode != 0 and "fp8now-channel-fast" in r.stderr + r.stdout

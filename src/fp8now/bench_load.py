@@ -23,10 +23,10 @@ def bf16_loader(folder: Path, device: torch.device) -> tuple[nn.Module, None]:
     return load_bf16(folder, device), None
 
 
-def fp8now_loader(scheme: str) -> Loader:
+def fp8now_loader(scheme: str, fast_accum: bool = False) -> Loader:
     """fp8now.load of the folder with `scheme` (no per-layer error measurement: it is not part of a
     load); its `warm` compiles the weight quantizer for the model's weight shapes first, untimed."""
-    config = Fp8Config(scheme=scheme)
+    config = Fp8Config(scheme=scheme, fast_accum=fast_accum)
 
     def load(folder: Path, device: torch.device):
         from .loader import load as fp8_load
