@@ -5,7 +5,7 @@ fixed configuration for every M and never splits K (SPEC §8). Wrapper: check ->
 import torch
 
 from .triton_jit import (SCALE_BLOCK, cdiv, check_bias, check_block_scale, check_fp8_operands, check_out_dtype,
-                         grouped_pid, merge_config, pick)
+                         grouped_pid, merge_config, pick, store_tile, tile_offsets)
 from .triton_splitk import reduce_splits, split_plan, store_partial
 from .triton_support import require_triton, tl, triton
 
@@ -34,12 +34,7 @@ def _block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr,
     pid_m, pid_n = grouped_pid(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_begin = tl.program_id(1) * K_SPLIT
     k_end = tl.minimum(K, k_begin + K_SPLIT)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    # Out-of-range rows/columns wrap onto valid ones (loads stay unmasked in M/N; the store masks).
-    rm = (offs_m % M).to(tl.int64)
-    rn = (offs_n % N).to(tl.int64)
+    offs_m, offs_n, offs_k, rm, rn = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_begin + offs_k[None, :]) * stride_xk  # [BM, BK]
     w_ptrs = w_ptr + (k_begin + offs_k[:, None]) * stride_wk + rn[None, :] * stride_wn  # [BK, BN]
     xs_ptrs = xs_ptr + rm * stride_xsm
@@ -64,11 +59,7 @@ def _block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr,
     if PARTIAL:  # split-K: this split's scaled partial sum
         store_partial(y_ptr, acc, offs_m, offs_n, M, N)
     else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n.to(tl.int64)[None, :] * stride_yn
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        store_tile(y_ptr, acc, b_ptr, rn, offs_m, offs_n, M, N, stride_ym, stride_yn, HAS_BIAS)
 
 
 def block_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,

@@ -35,6 +35,25 @@ def grouped_pid(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M
 
 
 @triton.jit
+def tile_offsets(pid_m, pid_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A tile's row, column and K offsets, and its rows / columns wrapped onto real ones (`rm`, `rn`,
+    int64): loads stay unmasked in M and N, only `store_tile` masks."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    return offs_m, offs_n, offs_k, (offs_m % M).to(tl.int64), (offs_n % N).to(tl.int64)
+
+
+@triton.jit
+def store_tile(y_ptr, acc, b_ptr, rn, offs_m, offs_n, M, N, stride_ym, stride_yn, HAS_BIAS: tl.constexpr):
+    """The float32 tile `acc` (+ bias[n] in float32) cast to y's dtype, stored where it lies inside [M, N]."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n.to(tl.int64)[None, :] * stride_yn
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
 def abs_bits(x):
     """|x| as int32 bit patterns. Non-negative floats order like their bits, and NaN sits above inf,
     so an integer max of these is the float amax with NaN propagated, like torch.amax (a float tl.max

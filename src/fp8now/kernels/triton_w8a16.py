@@ -11,7 +11,8 @@ import torch
 from ..config import WEIGHT_GROUP, Scheme
 from .plan import Path, Weights
 from .triton_jit import (FP8_DTYPE, SCALE_BLOCK, cdiv, check_bias, check_block_scale, check_out_dtype,
-                         check_scale, flatten_act, grouped_pid, merge_config, pick, reason)
+                         check_scale, flatten_act, grouped_pid, merge_config, pick, reason, store_tile,
+                         tile_offsets)
 from .triton_support import require_triton, tl, triton
 
 
@@ -53,11 +54,7 @@ def _w8a16_gemm_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr,
                        UPCAST_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid_m, pid_n = grouped_pid(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    rm = (offs_m % M).to(tl.int64)
-    rn = (offs_n % N).to(tl.int64)
+    offs_m, offs_n, offs_k, rm, rn = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :] * stride_xk        # [BM, BK]
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + rn[None, :] * stride_wn        # [BK, BN] bytes
     ws_ptrs = ws_ptr + (rn // 128) * stride_wsn
@@ -76,11 +73,7 @@ def _w8a16_gemm_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr,
             acc = tl.dot(a, b, acc)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n.to(tl.int64)[None, :] * stride_yn
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    store_tile(y_ptr, acc, b_ptr, rn, offs_m, offs_n, M, N, stride_ym, stride_yn, HAS_BIAS)
 
 
 def w8a16_gemm(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, group: tuple[int, int],
