@@ -6,7 +6,8 @@ routed) runs the same kernels as T' = E*T tokens with top-1 routing to their row
 weight of 1 for non-zero rows, 0 for zero rows, so every row is computed (as transformers does) and the
 rows nobody routed come out exactly zero. No host sync, so the call captures in a CUDA graph; the expert
 ids are not range-checked here (that would sync): an id outside [0, E) stops the device with an
-index assertion.
+index assertion in the torch alignment, while the single-launch Triton alignment (few slots) skips it
+and leaves that slot's output unset.
 
 Eager calls of up to `decode_graphs.MAX_M` tokens on CUDA replay per-layer CUDA graphs
 (`Fp8Config.decode_graphs`), as `Fp8Linear` does and for the same reason: a small call is a few dozen
