@@ -17,7 +17,8 @@ from tiny import write_tiny_checkpoint
 def _counting(monkeypatch) -> list[int]:
     """Count the cpu backend's activation quantizations (the real function still runs)."""
     calls, real = [], cpu.widened_activation
-    monkeypatch.setattr(cpu, "widened_activation", lambda x, kind: calls.append(x.shape[0]) or real(x, kind))
+    monkeypatch.setattr(cpu, "widened_activation",
+                        lambda x, kind, compiled=None: calls.append(x.shape[0]) or real(x, kind, compiled))
     return calls
 
 

@@ -261,6 +261,7 @@ def _memory_summary(report, rss_after_load: int | None) -> str:
         f"process peak RSS: {mib(peak_rss_bytes())} (the whole run, read at its end)",
         f"left alone: {len(report.ignored)} ({left})",
         "backends: " + ", ".join(f"{name} x{count}" for name, count in sorted(backends.items())),
+        *([f"cpu activation quantizer: {report.cpu_quantizer}"] if report.cpu_quantizer else []),
         *(line for line in report.summary_lines() if line.startswith("WARNING")),
     ])
 

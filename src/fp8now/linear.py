@@ -92,6 +92,8 @@ class Fp8Linear(nn.Module):
         self._work: torch.Tensor | None = None
         # Set by `shared_input.share_inputs`: one activation quantization for siblings reading one input.
         self.input_memo = None
+        # Set by `cpu_quantizer.install`: the cpu backend's compiled activation quantizer (None: torch ops).
+        self.act_quantizer = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: Fp8Config | None = None, name: str = ""
@@ -203,11 +205,13 @@ class Fp8Linear(nn.Module):
         weights = Weights(self.weight, self.weight_scale, self.bias,
                           self.workspace if self._work is None else self._work)
         widen = getattr(self._impl, "widened_activation", None)   # the cpu backend's hook
-        if (self.input_memo is not None and widen is not None and x is not None
-                and not torch.compiler.is_compiling()):
-            x_w = self.input_memo.widened(x, lambda: widen(x2, path.act))
-            return self._impl.linear(x2, weights, path, x_w)
-        return self._impl.linear(x2, weights, path)
+        if widen is None:
+            return self._impl.linear(x2, weights, path)
+        if self.input_memo is not None and x is not None and not torch.compiler.is_compiling():
+            x_w = self.input_memo.widened(x, lambda: widen(x2, path.act, self.act_quantizer))
+        else:
+            x_w = widen(x2, path.act, self.act_quantizer)
+        return self._impl.linear(x2, weights, path, x_w)
 
     def _addresses(self) -> tuple[int, ...]:
         """Where the tensors a captured call reads live (a graph is valid while these stay)."""

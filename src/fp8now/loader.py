@@ -24,6 +24,7 @@ from .linear import Fp8Linear, check_float_weight
 from .moe_load import ExpertsLoad
 from .quantize import build_report, layer_row, quantize_  # noqa: F401  (quantize_: also public here)
 from .report import LayerRow, LoadReport
+from .cpu_quantizer import install as install_cpu_quantizer
 from .shared_input import share_inputs
 from .tensor_file import read_tensors
 from .tp import TpState, shard
@@ -299,6 +300,7 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
     share_inputs(model)
     _trim_heap()
     report = build_report(model, rows, ignored + experts.ignored, str(model_dir), device, dtype, config)
+    report.cpu_quantizer = install_cpu_quantizer(model, dtype)
     add_experts(report, model, experts.rows)
     report.skipped_tensors = skipped
     report.files = [p.name for p in files]

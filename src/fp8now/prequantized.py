@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .checkpoint import checkpoint_files, scan_headers
+from .cpu_quantizer import install as install_cpu_quantizer
 from .config import Fp8Config, Scheme
 from .finite import FiniteCheck
 from .ckpt_names import find_key, model_key
@@ -27,6 +28,7 @@ from .linear import Fp8Linear
 from .moe import Fp8Experts
 from .prequantized_moe import PrequantizedExperts
 from .report import LayerRow, plan_names
+from .shared_input import share_inputs
 
 _FP8_ST = "F8_E4M3"
 _SCALE_LEAVES = tuple(SCALE_LEAF.values())
@@ -197,9 +199,11 @@ def load_prequantized(model_dir: Path, raw: dict, config: Fp8Config | None, devi
     if experts.unfinished():   # cannot happen after the header checks; a guard against partial loads
         raise RuntimeError(f"experts left incomplete after reading every file: {', '.join(experts.unfinished())}")
     _finish(model, device, str(model_dir))
+    share_inputs(model)
     first = next(iter(plans.values()))[0] if plans else next(iter(experts.layers.values()))[0]
     report = build_report(model, rows, ignored, f"{model_dir} ({info.fmt}, pre-quantized)", device, dtype,
                           Fp8Config(scheme=first.scheme, activation=first.act_kind))
+    report.cpu_quantizer = install_cpu_quantizer(model, dtype)
     add_experts(report, model, experts.rows)
     report.skipped_tensors = skipped
     report.files = [p.name for p in files]

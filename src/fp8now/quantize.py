@@ -8,11 +8,13 @@ import torch
 from torch import nn
 
 from .config import Fp8Config
+from .cpu_quantizer import install as install_cpu_quantizer
 from .hf import set_submodule, target_linears
 from .hf_moe import add_experts, is_experts, quantize_experts_
 from .linear import Fp8Linear
 from .moe import Fp8Experts
 from .report import LayerRow, LoadReport, peak_host_rss_bytes, plan_names, tensor_bytes, weight_error
+from .shared_input import share_inputs
 
 
 def layer_row(layer: Fp8Linear, w: torch.Tensor | None) -> LayerRow:
@@ -68,7 +70,9 @@ def quantize_(model: nn.Module, config: Fp8Config | None = None, *,
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1),
                  torch.bfloat16)
     expert_rows, expert_ignored = quantize_experts_(model, config, measure_error)
+    share_inputs(model)
     report = build_report(model, rows, ignored + expert_ignored, type(model).__name__, device, dtype, config)
+    report.cpu_quantizer = install_cpu_quantizer(model, dtype)
     add_experts(report, model, expert_rows)
     report.load_s = time.perf_counter() - start
     return report

@@ -70,6 +70,8 @@ class LoadReport:
     device_bytes_at_start: torch.cuda.memory_allocated when the load began (already counted in the peak).
     peak_host_rss_bytes: the process's peak resident set size (getrusage maxrss: process-wide, since start);
     None where Python has no `resource` module (Windows).
+    cpu_quantizer: the activation quantizer of the cpu backend's layers per kind (`cpu_quantizer.install`);
+    None without such layers.
     """
 
     source: str
@@ -89,6 +91,7 @@ class LoadReport:
     peak_device_bytes: int | None = None
     device_bytes_at_start: int | None = None
     peak_host_rss_bytes: int | None = 0
+    cpu_quantizer: str | None = None
 
     @property
     def quantized(self) -> list[str]:
@@ -117,7 +120,7 @@ class LoadReport:
                 f"{_num(r.median_sqnr_db, '{:.1f}')}" for r in self.experts]
 
     def summary_lines(self) -> list[str]:
-        """Two lines: bf16 vs FP8 bytes and the whole model; load time and peak memory."""
+        """bf16 vs FP8 bytes and the whole model; load time and peak memory; the cpu quantizer if any."""
         ratio = self.bf16_bytes / self.fp8_bytes if self.fp8_bytes else float("nan")
         peak = "n/a (not CUDA)" if self.peak_device_bytes is None else _mib(self.peak_device_bytes)
         if self.device_bytes_at_start:
@@ -132,6 +135,8 @@ class LoadReport:
                 f"time {self.load_s:.2f} s; peak device memory {peak}; peak host RSS "
                 + ("n/a (no resource module)" if self.peak_host_rss_bytes is None
                    else f"{_mib(self.peak_host_rss_bytes)} (process-wide maximum since start)")]
+        if self.cpu_quantizer:
+            lines.append(f"cpu activation quantizer: {self.cpu_quantizer}")
         return lines + [f"WARNING: {w}" for w in self.warnings()]
 
     def plan_lines(self) -> list[str]:

@@ -69,14 +69,18 @@ def working_copy(w_q: torch.Tensor, w_scale: torch.Tensor, scheme: Scheme,
     return out
 
 
-def widened_activation(x: torch.Tensor, act_kind: str) -> torch.Tensor:
+def widened_activation(x: torch.Tensor, act_kind: str, compiled=None) -> torch.Tensor:
     """bf16 `q_x * s_x` of x [M, K] quantized dynamically (per "token", "tensor", or 1x128 "group").
 
-    Row chunks of about `ACT_CHUNK` elements: their float32 temporaries stay in cache and are
+    `compiled`: the same quantizer compiled for x's dtype (`cpu_aot.Widened`), one call instead of the
+    torch ops below (not under torch.compile, whose own fusion of these ops runs there). The torch ops
+    work on row chunks of about `ACT_CHUNK` elements: their float32 temporaries stay in cache and are
     reused by the allocator, where whole-tensor ones cost a trip to memory (and page faults) per pass.
     """
     m, k = x.shape
     xg = _grouped(x, act_kind)                     # [M, K] or [M, G, 128]
+    if compiled is not None and compiled.dtype == x.dtype and not torch.compiler.is_compiling():
+        return _flat(compiled(xg), m, k)
     rule = ACT_RULE[act_kind]
     rows = max(ACT_CHUNK // max(k + (-k % 128 if act_kind == "group" else 0), 1), 1)
     if m <= rows:                                  # one chunk (decode): fewer calls
@@ -177,7 +181,7 @@ def prepare(w_q: torch.Tensor, w_scale: torch.Tensor, scheme: Scheme,
 def linear(x: torch.Tensor, weights: Weights, path: Path, x_w: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = quantize(x [M, K]) @ W.T + bias in x.dtype. `weights.workspace`: the layer's working
     copy from `prepare` (None: widened for this call only, which is slow). `x_w` [M, K]: x's
-    `widened_activation` when already made (a sibling layer reading the same input)."""
+    `widened_activation` when already made (by the layer, or by a sibling reading the same input)."""
     work = weights.workspace
     if work is None:
         work = working_copy(weights.w_q, weights.w_scale, path.scheme)
