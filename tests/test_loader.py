@@ -242,3 +242,24 @@ def test_parameters_the_model_keeps_in_fp32(checkpoints, monkeypatch):
     assert model.model.norm.weight.dtype == torch.float32
     assert model.model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
     assert torch.equal(model.model.norm.weight, load_file(single / "model.safetensors")["model.norm.weight"].float())
+
+
+def test_only_the_fp8_layers_are_frozen(tmp_path):
+    """The FP8 layers' tensors take no gradient; every other parameter keeps `from_pretrained`'s
+    requires_grad (frozen ones made torch copy the tied lm_head weight on every prefill), and a forward
+    outside no_grad gives the same logits as one in inference mode."""
+    folder = write_tiny_checkpoint(tmp_path / "m", "llama")
+    model, _ = load(folder, Fp8Config(), device="cpu")
+    plain = dict(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).named_parameters())
+    fp8 = {f"{name}.{leaf}" for name, m in model.named_modules() if isinstance(m, Fp8Linear)
+           for leaf, _ in m.named_parameters()}
+    assert fp8
+    for name, p in model.named_parameters():
+        want = False if name in fp8 else plain[name].requires_grad
+        assert p.requires_grad == want, name
+    assert any(p.requires_grad for p in model.parameters())
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        want = model(input_ids=ids).logits
+    got = model(input_ids=ids).logits
+    assert got.requires_grad and torch.equal(got.detach(), want)

@@ -22,7 +22,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .config import Fp8Config
 from .hf import set_submodule, swap_linears, target_linears
-from .hf_moe import BIAS_LEAVES, FUSED_LEAVES, empty_fp8_experts, experts_layout, hf_to_fused, target_experts
+from .hf_moe import BIAS_LEAVES, FUSED_LEAVES, empty_fp8_experts, experts_layout, freeze_fp8, hf_to_fused, target_experts
 from .kernels import quantize_weight
 from .linear import Fp8Linear
 from .moe import Fp8Experts
@@ -151,7 +151,7 @@ class Fp8nowQuantizer(HfQuantizer):
                                        "are missing from the checkpoint")
                 for leaf in (*FUSED_LEAVES, *BIAS_LEAVES):
                     module._parameters.pop(leaf, None)   # the emptied float placeholders
-        model.requires_grad_(False)
+        freeze_fp8(model)
         return model
 
     def get_quantize_ops(self) -> ConversionOps:

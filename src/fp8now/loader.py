@@ -18,7 +18,7 @@ from .config import Fp8Config
 from .checkpoint import ST_DTYPES, checkpoint_files, corrupt_error, index_map, scan_headers
 from .finite import FiniteCheck
 from .hf import Slot, build_skeleton, keep_fp32_names, model_slots, resolve_name, swap_linears, target_linears
-from .hf_moe import add_experts
+from .hf_moe import add_experts, freeze_fp8
 from .legacy import legacy_reason
 from .linear import Fp8Linear, check_float_weight
 from .moe_load import ExpertsLoad
@@ -142,7 +142,7 @@ def _materialize(slot: Slot, t: torch.Tensor, device: torch.device, dtype: torch
         return out
     want = torch.float32 if slot.keep_fp32 else dtype
     out = t.to(want) if t.is_floating_point() and t.dtype != want else t  # cast on the host
-    param = nn.Parameter(out.to(device), requires_grad=False)
+    param = nn.Parameter(out.to(device), requires_grad=out.is_floating_point())   # as from_pretrained
     for owner, leaf in [(slot.owner, slot.leaf), *slot.aliases]:
         owner._parameters[leaf] = param
     return param
@@ -196,7 +196,7 @@ def _stream(by_file: dict[Path, list[tuple[str, str]]], slots: dict[str, Slot], 
 
 
 def _finish(model: nn.Module, device: torch.device, source: str) -> None:
-    """Buffers to the device; nothing may remain on meta; eval mode."""
+    """Buffers to the device; nothing may remain on meta; FP8 layers frozen; eval mode."""
     for module in model.modules():
         for leaf, buf in module._buffers.items():
             if buf is not None and buf.device != device:
@@ -206,8 +206,9 @@ def _finish(model: nn.Module, device: torch.device, source: str) -> None:
             if t.is_meta:
                 raise RuntimeError(f"{kind} {name} is still on the meta device after loading {source}; "
                                    "this is a bug in fp8now: please report it with the model's config.json")
-    model.requires_grad_(False)
+    freeze_fp8(model)
     model.eval()
+
 
 
 def _trim_heap() -> None:
