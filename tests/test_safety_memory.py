@@ -62,3 +62,39 @@ def test_load_peak_rss_and_no_file_mapping(tmp_path):
     assert added <= bound, (f"load peak RSS +{added / MIB:.0f} MiB > bound {bound / MIB:.0f} MiB "
                             f"(model {got['model_bytes'] / MIB:.0f} MiB, largest {largest_bf16 / MIB:.0f} MiB)")
     assert got["model_bytes"] < (big / "model.safetensors").stat().st_size  # FP8 layers really are smaller
+
+
+TRIM_PROBE = textwrap.dedent("""
+    import ctypes, json, sys
+    from fp8now import Fp8Config, loader
+
+    def rss():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+
+    if sys.argv[2] == "untrimmed":
+        loader._trim_heap = lambda: None                 # the control: the load trims nothing
+    model, report = loader.load(sys.argv[1], Fp8Config(), device="cpu", measure_error=False)  # kept alive
+    before = rss()
+    ctypes.CDLL(None).malloc_trim(0)
+    print(json.dumps({"returned": before - rss()}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim and /proc")
+def test_the_load_leaves_no_freed_heap_behind(tmp_path):
+    """After a load, a further malloc_trim returns (almost) nothing: the load's freed temporaries (the
+    float weights read from disk) went back to the OS. Without the load's trims (the control, same
+    checkpoint) the same call returns tens of MiB, so the probe can tell."""
+    folder = write_tiny_checkpoint(tmp_path / "m", "llama", hidden_size=512, intermediate_size=2048,
+                                   num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    returned = {}
+    for how in ("trimmed", "untrimmed"):
+        out = subprocess.run([sys.executable, "-c", TRIM_PROBE, str(folder), how], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        returned[how] = json.loads(out.stdout.strip().splitlines()[-1])["returned"]
+    assert returned["trimmed"] < 2 * MIB, returned
+    assert returned["untrimmed"] > 8 * MIB, returned
