@@ -27,6 +27,7 @@ from torch import nn
 
 from .kernels import cpu_aot
 from .linear import Fp8Linear
+from .moe import Fp8Experts
 from .models import cache_lock, cache_root
 
 ENV = "FP8NOW_CPU_QUANTIZER"
@@ -43,9 +44,10 @@ def mode() -> str:
 
 
 def install(model: nn.Module, dtype: torch.dtype) -> str | None:
-    """Give every cpu-backend `Fp8Linear` of `model` the compiled quantizer of its activation kind for
-    inputs of `dtype` (by `mode()`); returns what was chosen, for the load report (None: no such layer)."""
-    layers = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.backend == "cpu"]
+    """Give every cpu-backend `Fp8Linear` and `Fp8Experts` of `model` the compiled quantizer of its
+    activation kind for inputs of `dtype` (by `mode()`); returns what was chosen, for the load report
+    (None: no such layer)."""
+    layers = [m for m in model.modules() if isinstance(m, (Fp8Linear, Fp8Experts)) and m.backend == "cpu"]
     if not layers:
         return None
     how = mode()

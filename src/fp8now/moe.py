@@ -16,7 +16,8 @@ from . import numerics
 from .config import Fp8Config, Scheme
 from .decode_graphs import DecodeGraphs
 from .finite import nonfinite_slices
-from .kernels import device_class, quantize_weight
+from . import moe_cpu
+from .kernels import cpu, device_class, quantize_weight
 from .kernels.reference import exact_matmul
 from .linear import check_float_weight, weight_scale_shape
 from .numerics import E4M3FN, quantize_activation
@@ -24,9 +25,10 @@ from .numerics import E4M3FN, quantize_activation
 # Gated activations by name: "glu" is act(gate) * up (act = the family's act_fn); "clamped_swiglu" is
 # GPT-OSS's (gate clamped above, up clamped both ways, gate * sigmoid(alpha * gate) * (up + 1)).
 GATES = ("glu", "clamped_swiglu")
-# Backends that run experts: the Triton grouped FP8 GEMMs (FP8 GPUs; `kernels.triton_moe`) and the exact
-# float64 `reference` loop over experts (anywhere). Device class -> candidates, best first.
-EXPERT_BACKENDS = ("auto", "triton", "reference")
+# Backends that run experts: the Triton grouped FP8 GEMMs (FP8 GPUs; `kernels.triton_moe`), the exact
+# float64 `reference` loop over experts (anywhere), and, when forced (`backend="cpu"`), bf16 working
+# copies and oneDNN GEMMs per expert (CPU; `moe_cpu`). Device class -> candidates, best first.
+EXPERT_BACKENDS = ("auto", "triton", "cpu", "reference")
 EXPERT_TABLE = {"cuda-fp8": ("triton", "reference"), "cuda": ("reference",), "cpu": ("reference",)}
 
 
@@ -52,6 +54,8 @@ def expert_backend_reason(name: str, device: torch.device, experts: Fp8Experts) 
     """None if backend `name` runs `experts` on `device`, else why not."""
     if name == "reference":
         return None
+    if name == "cpu":
+        return cpu.available(device, experts.scheme, experts.act_kind, 0, 0, experts.batch_invariant)
     from .kernels import triton_moe   # importable without triton: `available` then says why
     return triton_moe.available(device, experts.gate_kind, experts.act_fn, experts.h_pad, experts.i_pad)
 
@@ -122,6 +126,8 @@ class Fp8Experts(nn.Module):
         self.graphs = DecodeGraphs() if config.decode_graphs else None   # triton: small-T calls replayed
         self.hf_layout = None   # set by hf_moe: how transformers stores these experts (for reload_weights)
         self.backend: str | None = None
+        self.w13_work = self.w2_work = None   # the cpu backend's bf16 working copies (moe_cpu; not saved)
+        self.act_quantizer = None             # its compiled activation quantizer (cpu_quantizer.install)
         pad = 128 if self.scheme is Scheme.BLOCK else 1
         self.h_pad, self.i_pad = _round_up(hidden_size, pad), _round_up(intermediate_size, pad)
         e, hp, ip = num_experts, self.h_pad, self.i_pad
@@ -207,7 +213,7 @@ class Fp8Experts(nn.Module):
                     setattr(self, leaf, nn.Parameter(b.to(old.dtype).clone(), requires_grad=False))
                 else:
                     old.data.copy_(b)
-        self.backend = pick_expert_backend(self.w13.device, self, self.forced_backend)
+        self._pick_backend()
 
     def install_(self, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor) -> None:
         """Take already quantized tensors in the stored layout (`w13 [E, 2Ip, Hp]` FP8, float32 scales), as
@@ -218,7 +224,12 @@ class Fp8Experts(nn.Module):
                 raise ValueError(f"{self.name}.{leaf}: got {t.dtype} {tuple(t.shape)}, the layer stores "
                                  f"{old.dtype} {tuple(old.shape)}")
             setattr(self, leaf, nn.Parameter(t, requires_grad=False))
+        self._pick_backend()
+
+    def _pick_backend(self) -> None:
+        """Choose the backend for the weights' device and (re)build what it derives from the FP8 bytes."""
         self.backend = pick_expert_backend(self.w13.device, self, self.forced_backend)
+        (moe_cpu.prepare if self.backend == "cpu" else moe_cpu.release)(self)
 
     def _check_finite(self, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None,
                       b2: torch.Tensor | None) -> None:
@@ -258,6 +269,8 @@ class Fp8Experts(nn.Module):
         b13 = None if self.w13_bias is None else self.w13_bias[e]
         b2 = None if self.w2_bias is None else self.w2_bias[e]
         x = nn.functional.pad(x, (0, self.h_pad - self.hidden_size))
+        if self.backend == "cpu":
+            return moe_cpu.expert_forward(self, e, x)[:, :self.hidden_size]
         h = self._gemm(x, self.w13[e], self.w13_scale[e], b13)
         return self._gemm(self._gated(h), self.w2[e], self.w2_scale[e], b2)[:, :self.hidden_size]
 
@@ -306,7 +319,11 @@ class Fp8Experts(nn.Module):
         def guarded(t: torch.Tensor) -> torch.Tensor:
             return t.to(fn(t.reshape(-1)[:0]).device) if id(t) in keep else fn(t)
 
-        return super()._apply(guarded, recurse)
+        before = self.w13.device
+        out = super()._apply(guarded, recurse)
+        if self.backend is not None and self.w13.device != before:
+            self._pick_backend()
+        return out
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden_size}, intermediate="

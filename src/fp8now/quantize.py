@@ -37,7 +37,8 @@ def build_report(model: nn.Module, rows: list[LayerRow], ignored: list[tuple[str
         report.bf16_bytes += 2 * layer.weight.numel()
         report.fp8_bytes += layer.weight.numel() * layer.weight.element_size() + layer.weight_scale.nbytes
     report.model_bytes = tensor_bytes([*model.parameters(), *model.buffers()])
-    report.work_bytes = sum(m._work.nbytes for m in layers.values() if m._work is not None)
+    report.work_bytes = sum(m._work.nbytes for m in layers.values() if m._work is not None) + sum(
+        t.nbytes for m in model.modules() if isinstance(m, Fp8Experts) for t in (m.w13_work, m.w2_work) if t is not None)
     report.peak_host_rss_bytes = peak_host_rss_bytes()
     return report
 
