@@ -230,7 +230,7 @@ def test_backend_choice_and_refusals():
     gelu = Fp8Experts(4, 128, 128, Fp8Config(backend="triton"), act_fn=torch.nn.GELU(), name="layers.3.experts")
     with pytest.raises(RuntimeError, match=r"layers\.3\.experts.*triton: .*not glu with GELU"):
         gelu.load_(torch.randn(4, 256, 128).to(DEV), torch.randn(4, 128, 128).to(DEV))
-    with pytest.raises(ValueError, match="valid for experts: auto, triton, reference"):
+    with pytest.raises(ValueError, match="valid for experts: auto, triton, cpu, reference"):
         Fp8Experts(4, 128, 128, Fp8Config(backend="torch"), act_fn=torch.nn.SiLU())
 
 
