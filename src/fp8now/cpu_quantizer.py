@@ -101,7 +101,7 @@ def compiled(kind: str, dtype: torch.dtype, folder: str) -> tuple[cpu_aot.Widene
                 pass
             return None, reason
     try:
-        widened = cpu_aot.load(path, dtype)
+        widened = cpu_aot.Widened(path, dtype)
     except Exception as e:
         return None, f"loading {path} failed ({type(e).__name__}: {e}); delete it to rebuild"
     wrong = cpu_aot.check(widened, kind, dtype)

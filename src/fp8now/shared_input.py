@@ -16,6 +16,7 @@ from torch import nn
 
 from .linear import Fp8Linear
 
+
 class InputMemo:
     """The input a group of sibling layers last saw and its widened activation, while the parent runs."""
 

@@ -3,7 +3,7 @@
 
 The quantizer is written below as torch ops (`Widen`), exported with dynamic shapes and compiled ahead
 of time by AOTInductor into a shared library for this machine (`build`; it needs a C++ compiler and
-takes tens of seconds). `load` opens such a library with torch's AOTInductor runner: no dynamo, no
+takes tens of seconds). `Widened` opens such a library with torch's AOTInductor runner: no dynamo, no
 inductor at run time, a few microseconds per call. `check` compares a loaded quantizer bit for bit with
 the torch-ops one on every bf16 value up to 448 and on random rows; only a quantizer that passes is used.
 
@@ -22,6 +22,7 @@ import tempfile
 import warnings
 import zipfile
 from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -33,6 +34,7 @@ DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _SPLIT = float((1 << 20) + 1)   # Veltkamp's constant: 24 - 20 = 4 significant bits kept
 _SUBNORMAL_MAGIC = 1.5 * 2 ** 14  # adding it leaves a float32 whose last bit is worth 2^-9
 _MIN_NORMAL = 2.0 ** -6           # e4m3's smallest normal
+
 
 def round_e4m3_split(y: torch.Tensor) -> torch.Tensor:
     """Float32 `y` rounded to the nearest e4m3 values (ties to even), for |y| <= 464 (cpu.round_e4m3_'s values).
@@ -121,11 +123,6 @@ class Widened:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._runner.run([x.contiguous()])[0]
-
-
-def load(path: Path, dtype: torch.dtype) -> Widened:
-    """The compiled quantizer in the library `path`, built for inputs of `dtype`."""
-    return Widened(path, dtype)
 
 
 def check(widened, kind: str, dtype: torch.dtype) -> str | None:
