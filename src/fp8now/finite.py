@@ -67,3 +67,13 @@ def nonfinite_slices(tensors: dict[str, torch.Tensor], parts: dict[str, int]
         return []
     ok = torch.stack([f.to(flags[0].device) for f in flags]).tolist()
     return [w for w, good in zip(where, ok) if not good]
+
+
+class NonFiniteExperts(ValueError):
+    """NaN or Inf in the float weights or biases given to `Fp8Experts.load_` (nothing was written).
+
+    `where`: (leaf, expert, part) per bad piece; part 0 / 1 = gate / up rows of w13 leaves, else 0."""
+
+    def __init__(self, message: str, where: list[tuple[str, int, int]]) -> None:
+        super().__init__(message)
+        self.where = where

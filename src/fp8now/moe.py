@@ -15,62 +15,23 @@ from torch import nn
 from . import numerics
 from .config import Fp8Config, Scheme
 from .decode_graphs import DecodeGraphs
-from .finite import nonfinite_slices
+from .finite import NonFiniteExperts, nonfinite_slices
 from . import moe_cpu
-from .kernels import cpu, device_class, quantize_weight
+from .kernels import quantize_weight
 from .kernels.reference import exact_matmul
 from .linear import check_float_weight, weight_scale_shape
+from .moe_backends import EXPERT_BACKENDS, pick_expert_backend
 from .numerics import E4M3FN, quantize_activation
 
 # Gated activations by name: "glu" is act(gate) * up (act = the family's act_fn); "clamped_swiglu" is
 # GPT-OSS's (gate clamped above, up clamped both ways, gate * sigmoid(alpha * gate) * (up + 1)).
 GATES = ("glu", "clamped_swiglu")
-# Backends that run experts: the Triton grouped FP8 GEMMs (FP8 GPUs; `kernels.triton_moe`), the exact
-# float64 `reference` loop over experts (anywhere), and, when forced (`backend="cpu"`), bf16 working
-# copies and oneDNN GEMMs per expert (CPU; `moe_cpu`). Device class -> candidates, best first.
-EXPERT_BACKENDS = ("auto", "triton", "cpu", "reference")
-EXPERT_TABLE = {"cuda-fp8": ("triton", "reference"), "cuda": ("reference",), "cpu": ("reference",)}
-
-
 # What each leaf holds, for error messages; w13 leaves are checked as two parts: gate rows, up rows.
 LEAF_TEXT = {"w13": "gate_up weight", "w2": "down weight", "w13_bias": "gate_up bias", "w2_bias": "down bias"}
 
 
-class NonFiniteExperts(ValueError):
-    """NaN or Inf in the float weights or biases given to `Fp8Experts.load_` (nothing was written).
-
-    `where`: (leaf, expert, part) per bad piece; part 0 / 1 = gate / up rows of w13 leaves, else 0."""
-
-    def __init__(self, message: str, where: list[tuple[str, int, int]]) -> None:
-        super().__init__(message)
-        self.where = where
-
-
 def _round_up(n: int, to: int) -> int:
     return n + (-n % to)
-
-
-def expert_backend_reason(name: str, device: torch.device, experts: Fp8Experts) -> str | None:
-    """None if backend `name` runs `experts` on `device`, else why not."""
-    if name == "reference":
-        return None
-    if name == "cpu":
-        return cpu.available(device, experts.scheme, experts.act_kind, 0, 0, experts.batch_invariant)
-    from .kernels import triton_moe   # importable without triton: `available` then says why
-    return triton_moe.available(device, experts.gate_kind, experts.act_fn, experts.h_pad, experts.i_pad)
-
-
-def pick_expert_backend(device: torch.device, experts: Fp8Experts, forced: str = "auto") -> str:
-    """The experts backend on `device` (`forced` unless "auto"); raises listing every rejected candidate."""
-    candidates = EXPERT_TABLE[device_class(device)] if forced == "auto" else (forced,)
-    reasons = []
-    for name in candidates:
-        why = expert_backend_reason(name, device, experts)
-        if why is None:
-            return name
-        reasons.append(f"{name}: {why}")
-    raise RuntimeError(f"{experts.name or 'experts'}: no experts backend fits on {device}; rejected: "
-                       + "; ".join(reasons) + ". Choose another backend= or ignore the experts.")
 
 
 def expert_act_kind(config: Fp8Config) -> str:

@@ -23,7 +23,8 @@ from .hf import Slot, set_submodule
 from .hf_moe import (BIAS_LEAVES, FUSED_LEAVES, ExpertsLayout, empty_fp8_experts, experts_layout, experts_row,
                      hf_to_fused, target_experts)
 from .linear import check_float_weight
-from .moe import Fp8Experts, NonFiniteExperts
+from .finite import NonFiniteExperts
+from .moe import Fp8Experts
 from .report import ExpertsRow
 
 # Fp8Experts leaf -> the transformers parameter it is quantized from (error messages name the latter).
