@@ -140,5 +140,5 @@ def test_cli_run_says_which_quantizer_and_generates_the_same(tmp_path):
         assert proc.returncode == 0, proc.stderr
         entry = json.loads(proc.stdout)["schemes"]["channel"]
         assert entry["report"]["cpu_quantizer"].startswith("token: compiled" if how == "compiled" else "torch ops")
-        texts[how] = [g["text"] for g in entry["results"]["generations"]]
-    assert texts["compiled"] == texts["torch"] and texts["torch"][0]
+        texts[how] = [(g["text"], g["new_tokens"]) for g in entry["results"]["generations"]]
+    assert texts["compiled"] == texts["torch"] and all(n >= 1 for _, n in texts["torch"])

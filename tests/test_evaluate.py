@@ -24,7 +24,7 @@ def save_byte_tokenizer(directory: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}   # a set: sorted, same ids every run
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
