@@ -13,7 +13,8 @@ MODEL: a checkpoint folder, `smollm2` (the embedded model, real weights), or a p
     ... --profile                                  # + GPU µs per kernel family of each prefill / decode row
     PYTHONPATH=src python benchmarks/bench_model.py tiny --device cpu --out model.json   # CPU smoke
 
-Implementations: bf16, fp8now-<scheme> per --schemes, and with --torchao `torchao-row` (its default
+Implementations: bf16, fp8now-<scheme> per --schemes (with --full also fp8now-<scheme>-full: lm_head and the
+input embedding in FP8 too, Fp8Config(head=True, embedding=True)), and with --torchao `torchao-row` (its default
 fast accumulation) and `torchao-row-f32acc` (float32 accumulation), quantizing the same linears fp8now
 does (not lm_head, routers, or transformers' fused expert tensors, which are no nn.Linear). The bf16
 logits of the accuracy prompts are kept in --workdir, so a run split with --impls compares every
@@ -92,6 +93,8 @@ def implementations(args) -> dict:
     impls = {"bf16": bf16_loader, **{f"fp8now-{s}": fp8now_loader(s) for s in schemes}}
     if args.fast_accum:   # Fp8Config(fast_accum=True): the tensor cores' fast accumulation (not block)
         impls.update({f"fp8now-{s}-fast": fp8now_loader(s, fast_accum=True) for s in schemes if s != "block"})
+    if args.full:         # Fp8Config(head=True, embedding=True): lm_head and the embedding in FP8 too
+        impls.update({f"fp8now-{s}-full": fp8now_loader(s, full=True) for s in schemes})
     if args.torchao:
         impls.update({f"torchao-row{suffix}": torchao_loader(fast) for suffix, fast in TORCHAO_ACCUM[args.torchao_accum]})
     if not args.impls:
@@ -133,6 +136,8 @@ def main() -> None:
                     help="torchao-row (fast, its default), torchao-row-f32acc (f32), or both (default)")
     ap.add_argument("--fast-accum", action="store_true",
                     help="also fp8now-<scheme>-fast: tensor / channel with Fp8Config(fast_accum=True)")
+    ap.add_argument("--full", action="store_true",
+                    help="also fp8now-<scheme>-full: the output head and the input embedding in FP8 too")
     ap.add_argument("--impls", default="", help="only these implementations, e.g. bf16,fp8now-channel")
     ap.add_argument("--profile", action="store_true", help="GPU time per kernel family of every prefill and "
                     "decode row (torch.profiler; CUDA only)")

@@ -223,3 +223,20 @@ def test_fast_accum_implementations(tmp_path):
     r = script("tiny", "--device", "cpu", "--workdir", str(ckpt), "--out", str(out), "--schemes", "channel,block",
                "--fast-accum", "--impls", "fp8now-block-fast", *SMALL)
     assert r.returncode != 0 and "fp8now-channel-fast" in r.stderr + r.stdout
+
+
+def test_full_implementations(tmp_path):
+    """--full adds fp8now-<scheme>-full (Fp8Config(head=True, embedding=True)), measured like the others. On
+    the tiny preset (vocabulary 512, hidden 256, untied) it holds, beside fp8now-channel: the embedding at 1 byte
+    an element instead of 2, the head at 1 byte plus the cpu backend's 2-byte working copy instead of 2, and
+    one float32 scale per vocabulary row for each: 8 bytes per row in all."""
+    out, work = tmp_path / "full.json", tmp_path / "work"
+    run = script("tiny", "--device", "cpu", "--workdir", str(work), "--out", str(out), "--schemes", "channel",
+                 "--full", "--impls", "bf16,fp8now-channel,fp8now-channel-full", *SMALL)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    check_rows(rows, {"bf16", "fp8now-channel", "fp8now-channel-full"}, "tiny-2l")
+    load = {r["impl"]: round(r["resident_gb"] * 1e9) for r in rows if r["phase"] == "load"}
+    assert load["fp8now-channel-full"] - load["fp8now-channel"] == 8 * 512
+    acc = {r["impl"]: r for r in rows if r["phase"] == "accuracy"}
+    assert acc["fp8now-channel-full"]["kl"] != acc["fp8now-channel"]["kl"]

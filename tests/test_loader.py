@@ -99,7 +99,9 @@ def test_report_lists_every_layer_and_every_ignored_one(checkpoints):
     model, report = load(single, Fp8Config(scheme="block"), device="cpu")
     layers = {n: m for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
     assert report.quantized == list(layers) and len(layers) == 14
-    assert report.ignored == [("lm_head", "matches ignore pattern 'lm_head'")]
+    # the head is governed by Fp8Config.head (off by default), no longer by a default ignore pattern
+    assert report.ignored == [("lm_head", "outside the transformer blocks (output head; Fp8Config(head=True) "
+                                          "quantizes it)")]
     row = report.layers[0]
     assert (row.name, row.scheme, row.backend, row.n, row.k, row.bias) == (
         "model.layers.0.self_attn.q_proj", "block", "cpu", 192, 192, True)
@@ -136,7 +138,7 @@ def test_ignore_patterns_exact_glob_and_regex(checkpoints):
         module = model.get_submodule(name)
         assert type(module) is nn.Linear and torch.equal(module.weight, stored[f"{name}.weight"])
     assert len(report.layers) == 14 - 5
-    # an exact name also covers the modules under it; lm_head is never a target, even if not ignored
+    # an exact name also covers the modules under it; lm_head is no target unless head=True
     model, report = load(single, Fp8Config(ignore=("model.layers.1",)), device="cpu")
     assert all(r.name.startswith("model.layers.0.") for r in report.layers) and len(report.layers) == 7
     assert dict(report.ignored)["lm_head"].startswith("outside the transformer blocks")

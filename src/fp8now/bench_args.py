@@ -75,11 +75,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def add_command(sub, common: argparse.ArgumentParser, scheme_help: str) -> None:
     """The `fp8now bench` subcommand on the CLI's subparsers."""
     from .bench_presets import NAMES
+    from .cli_flags import add_layer_flags
 
     be = sub.add_parser("bench", parents=[common], help="whole-model speed and accuracy of FP8 against bf16: "
                         "load, prefill, decode (CUDA graph), KL", description="MODEL may also be a preset, "
                         f"written once as a random-weight checkpoint of real shapes: {', '.join(NAMES)}")
     be.add_argument("--scheme", default="channel", help=scheme_help + "; a comma list, or all (default: channel)")
+    add_layer_flags(be)
     add_arguments(be)
 
 

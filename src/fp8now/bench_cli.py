@@ -15,6 +15,7 @@ def bench_command(args, device) -> int:
     from .bench import measure, ratio_table
     from .bench_load import bf16_loader, fp8now_loader
     from .bench_args import options
+    from .cli_flags import layer_options
     from .bench_presets import bench_model_dir
     from .evaluate import config_dict, expand_schemes, scheme_config
     from .loader import resolve_device
@@ -30,15 +31,17 @@ def bench_command(args, device) -> int:
             print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
     try:
         name, folder = bench_model_dir(args.model, workdir, args.layers, device, log=log)
-        impls = {"bf16": bf16_loader, **{f"fp8now-{k}": fp8now_loader(k) for k in keys}}
+        layers = layer_options(args)   # --fp8-head / --fp8-embedding
+        impls = {"bf16": bf16_loader, **{f"fp8now-{k}": fp8now_loader(k, **layers) for k in keys}}
         reports = measure(name, folder, impls, device, opts, rows.append, log)["reports"]
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     if args.json:
         options_out = {k: getattr(args, k) for k in ("scheme", "phases", "prefill", "decode", "context",
-                                                     "decode_mode", "reps", "prompts", "layers")}
-        schemes = {k: scheme_entry(config_dict(scheme_config(k)[1]),
+                                                     "decode_mode", "reps", "prompts", "layers", "fp8_head",
+                                                     "fp8_embedding")}
+        schemes = {k: scheme_entry(config_dict(scheme_config(k, **layers)[1]),
                                    r.to_dict() if (r := reports.get(f"fp8now-{k}")) is not None else None,
                                    {"rows": [row for row in rows if row["impl"] == f"fp8now-{k}"]}) for k in keys}
         results = {"name": name, "rows": [row for row in rows if row["impl"] == "bf16"]}

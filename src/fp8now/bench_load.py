@@ -23,10 +23,14 @@ def bf16_loader(folder: Path, device: torch.device) -> tuple[nn.Module, None]:
     return load_bf16(folder, device), None
 
 
-def fp8now_loader(scheme: str, fast_accum: bool = False) -> Loader:
+def fp8now_loader(scheme: str, fast_accum: bool = False, full: bool = False, *, head: bool | None = None,
+                  embedding: bool | None = None) -> Loader:
     """fp8now.load of the folder with `scheme` (no per-layer error measurement: it is not part of a
-    load); its `warm` compiles the weight quantizer for the model's weight shapes first, untimed."""
-    config = Fp8Config(scheme=scheme, fast_accum=fast_accum)
+    load); `full`: the output head and the input embedding in FP8 too (head=True, embedding=True; `head`
+    / `embedding` set one of them alone). Its `warm` compiles the weight quantizer for the model's weight
+    shapes first, untimed."""
+    config = Fp8Config(scheme=scheme, fast_accum=fast_accum, head=full if head is None else head,
+                       embedding=full if embedding is None else embedding)
 
     def load(folder: Path, device: torch.device):
         from .loader import load as fp8_load
@@ -44,6 +48,9 @@ def fp8now_loader(scheme: str, fast_accum: bool = False) -> Loader:
         shapes |= {tuple(p.shape[1:]) for p in skeleton.parameters() if p.dim() == 3}   # fused experts
         for shape in sorted(shapes):
             quantize_weight(0.02 * torch.randn(shape, device=device, dtype=torch.bfloat16), config.scheme)
+        if config.embedding:   # the embedding's per-row quantization (numerics' channel rule)
+            emb = skeleton.get_input_embeddings().weight
+            quantize_weight(0.02 * torch.randn(emb.shape, device=device, dtype=torch.bfloat16), "channel")
     load.warm = warm
     return load
 

@@ -11,8 +11,9 @@ import contextlib
 import io
 import sys
 import time
-from collections import Counter
 from pathlib import Path
+
+from .cli_flags import add_layer_flags, layer_options
 
 DEFAULT_PROMPT = "Explain in two sentences why smaller number formats make language models faster."
 SAMPLE_TEMPERATURE = 0.7
@@ -64,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("--layers", action="store_true",
                      help="print every layer (default: one summary row per projection type)")
     for command in (run, ev, ins):
+        add_layer_flags(command)
         command.add_argument("--fast-accum", action="store_true",
                              help="tensor/channel GEMMs with the tensor cores' fast FP8 accumulation, as torchao "
                              "does by default (GPU with FP8 tensor cores only; block refuses it) (default: off, "
@@ -74,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     qz.add_argument("--format", default="compressed-tensors", choices=("compressed-tensors", "fp8"),
                     help="compressed-tensors (every scheme; default) or fp8 (block only)")
     qz.add_argument("--out", required=True, metavar="DIR", help="new folder to write (must not exist)")
+    add_layer_flags(qz)
 
     from .bench_args import add_command
 
@@ -120,7 +123,7 @@ def _load(args, measure_error: bool = True, model_dir=None):
     from .loader import load
     from .models import resolve_model
 
-    key, config = scheme_config(args.scheme, args.fast_accum)
+    key, config = scheme_config(args.scheme, args.fast_accum, **layer_options(args))
     device = _device(args.device)
     model_dir = model_dir or resolve_model(args.model, progress=_progress())
     model, report = load(model_dir, config, device=device, measure_error=measure_error)
@@ -135,7 +138,8 @@ def cmd_inspect(args) -> int:
     data = report.to_dict()
     summary = projection_summary(data["layers"]) + experts_summary(data["experts"])
     if args.json:
-        entry = scheme_entry(config_dict(scheme_config(key, args.fast_accum)[1]), data, {"summary": summary})
+        entry = scheme_entry(config_dict(scheme_config(key, args.fast_accum, **layer_options(args))[1]), data,
+                             {"summary": summary})
         print(dumps(envelope("inspect", model_dir, report.device, {"layers": args.layers}, {key: entry})))
         return 0
     print(f"{model_dir} as FP8 ({key})")
@@ -149,7 +153,7 @@ def cmd_quantize(args) -> int:
     from .export import check_export, quantize
     from .models import resolve_model
 
-    key, config = scheme_config(args.scheme)
+    key, config = scheme_config(args.scheme, **layer_options(args))
     check_export(config, args.format, args.out)   # before converting or loading anything
     out, report = quantize(resolve_model(args.model), args.out, config, args.format, device=_device(args.device))
     print(f"wrote {out} ({args.format}): {len(report.layers)} layers in FP8 ({key}), "
@@ -165,8 +169,9 @@ def cmd_run(args) -> int:
         from .evaluate import config_dict, scheme_config
         from .output import dumps, envelope, scheme_entry
 
-        options = {k: getattr(args, k) for k in ("scheme", "prompt", "max_new_tokens", "mode", "seed", "fast_accum")}
-        entry = scheme_entry(config_dict(scheme_config(key, args.fast_accum)[1]), report.to_dict(),
+        options = {k: getattr(args, k) for k in ("scheme", "prompt", "max_new_tokens", "mode", "seed", "fast_accum",
+                                                 "fp8_head", "fp8_embedding")}
+        entry = scheme_entry(config_dict(scheme_config(key, args.fast_accum, **layer_options(args))[1]), report.to_dict(),
                              {"generations": generations})
         print(dumps(envelope("run", model_dir, report.device, options, {key: entry})))
     return 0
@@ -177,11 +182,12 @@ def _run(args):
     from .evaluate import scheme_config
     from .host_memory import current_rss_bytes
     from .models import resolve_model
+    from .output import memory_summary
     from .tokenizer import load_tokenizer
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    scheme_config(args.scheme, args.fast_accum)      # a bad scheme fails before anything is read
+    scheme_config(args.scheme, args.fast_accum, **layer_options(args))   # a bad scheme fails before any read
     model_dir = resolve_model(args.model, progress=_progress())
     tokenizer = load_tokenizer(model_dir)            # before any weight is read
     key, model_dir, model, report = _load(args, measure_error=False, model_dir=model_dir)
@@ -198,7 +204,7 @@ def _run(args):
               f"{min(WARMUP_TOKENS, args.max_new_tokens)}-token warm-up)")
         print(text)
     print()
-    print(_memory_summary(report, rss_after_load))
+    print(memory_summary(report, rss_after_load))
     return key, model_dir, report, generations
 
 
@@ -245,27 +251,6 @@ def _generate(model, tokenizer, enc, max_new_tokens: int, kwargs: dict) -> tuple
     return tokenizer.decode(new, skip_special_tokens=True).strip(), int(new.numel()), seconds
 
 
-def _memory_summary(report, rss_after_load: int | None) -> str:
-    """Bytes, then the load's time and memory, the whole process's peak, what was left alone, backends."""
-    from .host_memory import mib, peak_rss_bytes
-
-    backends = Counter(row.backend for row in report.layers)
-    backends.update(f"{row.backend} (experts)" for row in report.experts)
-    left = ", ".join(name for name, _ in report.ignored) or "none"
-    device_peak = "" if report.peak_device_bytes is None else \
-        f"; peak device memory {mib(report.peak_device_bytes)}"
-    return "\n".join([
-        report.summary_lines()[0],
-        f"load: {report.load_s:.2f} s; peak RSS by its end {mib(report.peak_host_rss_bytes or None)}, "
-        f"RSS after it {mib(rss_after_load)}{device_peak}",
-        f"process peak RSS: {mib(peak_rss_bytes())} (the whole run, read at its end)",
-        f"left alone: {len(report.ignored)} ({left})",
-        "backends: " + ", ".join(f"{name} x{count}" for name, count in sorted(backends.items())),
-        *([f"cpu activation quantizer: {report.cpu_quantizer}"] if report.cpu_quantizer else []),
-        *(line for line in report.summary_lines() if line.startswith("WARNING")),
-    ])
-
-
 def cmd_eval(args) -> int:
     from .evaluate import bundled_text, evaluate, expand_schemes, plot_schemes, scheme_config
     from .output import dumps, eval_envelope, format_eval
@@ -273,7 +258,7 @@ def cmd_eval(args) -> int:
 
     keys = expand_schemes([args.scheme])
     for key in keys:                                 # e.g. block with --fast-accum fails before anything is read
-        scheme_config(key, args.fast_accum)
+        scheme_config(key, args.fast_accum, **layer_options(args))
     device = _device(args.device)
     if args.text is None:
         name, text = bundled_text()
@@ -291,12 +276,12 @@ def cmd_eval(args) -> int:
                                        if max_tokens else "all of it"), file=sys.stderr)
     results = evaluate(model_dir, keys, text, max_tokens=max_tokens, seq_len=args.seq_len,
                        device=device, batch_size=args.batch_size, text_name=name, progress=_progress(),
-                       fast_accum=args.fast_accum)
+                       fast_accum=args.fast_accum, **layer_options(args))
     if args.plot:
         results["plot"] = str(plot_schemes(results, args.plot))
     if args.json:
         options = {k: getattr(args, k) for k in ("scheme", "text", "max_tokens", "seq_len", "batch_size",
-                                                  "fast_accum")}
+                                                  "fast_accum", "fp8_head", "fp8_embedding")}
         print(dumps(eval_envelope(results, options)))
         return 0
     print(format_eval(results, layers=args.layers))

@@ -130,7 +130,15 @@ class Fp8Config:
     scheme: `tensor`, `channel`, `block`, or any name in SCHEME_NAMES (e.g. "ptpc", "tensorwise"; a
         name that fixes the activations, like "tensor-tensor", sets `activation`).
     moe_scheme: scheme for routed experts (defaults to `scheme`).
-    ignore: module names left in high precision: exact names, fnmatch globs, or `re:` regexes.
+    ignore: module names left in high precision: exact names, fnmatch globs, or `re:` regexes. The
+        output head is governed by `head`, not by a default pattern; a pattern that matches it still
+        wins over head=True (the report says so).
+    head: quantize the output head (`get_output_embeddings()`, normally `lm_head`) like a block linear:
+        an Fp8Linear of `scheme` with dynamic FP8 activations. Off: kept in the model dtype.
+    embedding: store the input embedding (`get_input_embeddings()`) as FP8 rows, one float32 scale per
+        row (fp8now.embedding.Fp8Embedding; weight-only: lookups return the model dtype). Off: kept in
+        the model dtype. With tied word embeddings the head's weight is the embedding: pass both or
+        neither (one FP8 copy then serves both; loading refuses one without the other).
     backend: "auto" (the dispatch table) or a forced backend name.
     batch_invariant: output rows independent of the batch they run in (SPEC §8).
     activation: "auto", or force per-"token" / per-"tensor" activation scales where the scheme allows
@@ -148,7 +156,9 @@ class Fp8Config:
 
     scheme: Scheme = Scheme.CHANNEL
     moe_scheme: Scheme | None = None
-    ignore: tuple[str, ...] = ("lm_head",)
+    ignore: tuple[str, ...] = ()
+    head: bool = False
+    embedding: bool = False
     backend: str = "auto"
     batch_invariant: bool = False
     activation: str = "auto"
@@ -184,8 +194,9 @@ class Fp8Config:
                 raise ValueError(
                     f"activation={self.activation!r} does not fit scheme {scheme.value!r}; "
                     f"allowed: {', '.join(ALLOWED_ACT[scheme])}")
-        if not isinstance(self.fast_accum, bool):
-            raise TypeError(f"Fp8Config.fast_accum must be True or False, got {self.fast_accum!r}")
+        for flag in ("fast_accum", "head", "embedding"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"Fp8Config.{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.fast_accum and self.scheme is Scheme.BLOCK:
             raise ValueError(f"fast_accum=True does not apply to scheme 'block': {FAST_ACCUM_BLOCK}")
         if self.batch_invariant and self.activation == "tensor":

@@ -22,6 +22,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .config import Fp8Config
 from .hf import set_submodule, swap_linears, target_linears
+from .hf_head import check_options
 from .hf_moe import BIAS_LEAVES, FUSED_LEAVES, empty_fp8_experts, experts_layout, freeze_fp8, hf_to_fused, target_experts
 from .kernels import quantize_weight
 from .linear import Fp8Linear
@@ -32,24 +33,30 @@ METHOD = "fp8now"
 
 
 class TransformersConfig(QuantizationConfigMixin):
-    """fp8now's quantization config for transformers' `from_pretrained` (fields as in `Fp8Config`)."""
+    """fp8now's quantization config for transformers' `from_pretrained` (fields as in `Fp8Config`; `head=True`
+    quantizes an untied output head; `embedding=True` is refused: use fp8now.load for an FP8 embedding)."""
 
-    def __init__(self, scheme: str = "channel", ignore: tuple[str, ...] | list[str] = ("lm_head",),
+    def __init__(self, scheme: str = "channel", ignore: tuple[str, ...] | list[str] = (),
                  backend: str = "auto", activation: str = "auto", batch_invariant: bool = False,
-                 decode_graphs: bool = True, fast_accum: bool = False, **kwargs) -> None:
+                 decode_graphs: bool = True, fast_accum: bool = False, head: bool = False,
+                 embedding: bool = False, **kwargs) -> None:
         self.quant_method = METHOD
         self.scheme = str(getattr(scheme, "value", scheme))
         self.ignore = list(ignore) if not isinstance(ignore, str) else ignore
         self.backend, self.activation = backend, activation
         self.batch_invariant, self.decode_graphs = batch_invariant, decode_graphs
-        self.fast_accum = fast_accum
+        self.fast_accum, self.head, self.embedding = fast_accum, head, embedding
         self.fp8_config()   # validate now, with Fp8Config's errors
+        if embedding:
+            raise ValueError("TransformersConfig(embedding=True): the from_pretrained door does not store the "
+                             "input embedding in FP8 (transformers loads it as a float parameter); use "
+                             "fp8now.load(folder, Fp8Config(embedding=True)), or embedding=False here")
 
     def fp8_config(self) -> Fp8Config:
         return Fp8Config(scheme=self.scheme, ignore=tuple(self.ignore) if not isinstance(self.ignore, str)
                          else self.ignore, backend=self.backend, activation=self.activation,
                          batch_invariant=self.batch_invariant, decode_graphs=self.decode_graphs,
-                         fast_accum=self.fast_accum)
+                         fast_accum=self.fast_accum, head=self.head, embedding=self.embedding)
 
 
 class _QuantizeOnLoad(ConversionOps):
@@ -115,6 +122,7 @@ class Fp8nowQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs) -> None:
         config = self.quantization_config.fp8_config()
+        check_options(model, config, f"fp8now ({type(model).__name__}.from_pretrained)")   # head=: tied models
         targets, self.ignored = target_linears(model, config)
         if not targets:
             raise ValueError(f"fp8now: nothing to quantize in {type(model).__name__}: all linear layers are "

@@ -16,7 +16,6 @@ load report's peak memory is not inflated by the reference model (later ones say
 from __future__ import annotations
 
 import os
-import secrets
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from torch import nn
 
 from .config import Fp8Config, scheme_key
 from .kl_stats import summarize
+from .plot import plot_schemes  # noqa: F401  (public here too)
 
 # `--scheme all`: the three schemes, plus per-tensor weights with per-tensor activations, the
 # configuration users usually compare against.
@@ -35,9 +35,10 @@ ALL_SCHEMES = ("channel", "block", "tensor", "tensor-tensor")
 BUNDLED_TEXT = "licenses.txt"
 
 
-def scheme_config(name: str, fast_accum: bool = False) -> tuple[str, Fp8Config]:
+def scheme_config(name: str, fast_accum: bool = False, head: bool = False, embedding: bool = False
+                  ) -> tuple[str, Fp8Config]:
     """(fp8now's name, config) for any scheme name config.py accepts, e.g. `ptpc` -> `channel`."""
-    config = Fp8Config(scheme=name, fast_accum=fast_accum)
+    config = Fp8Config(scheme=name, fast_accum=fast_accum, head=head, embedding=embedding)
     return scheme_key(config.scheme, config.act_kind()), config
 
 
@@ -189,7 +190,8 @@ def load_bf16(model_dir: Path, device: torch.device) -> nn.Module:
 
 def evaluate(model_dir: str | os.PathLike, schemes: Sequence[str], text: str, *,
              max_tokens: int | None = None, seq_len: int = 512, device: torch.device | str | None = None,
-             batch_size: int = 4, progress: bool = True, text_name: str = "text", fast_accum: bool = False) -> dict:
+             batch_size: int = 4, progress: bool = True, text_name: str = "text", fast_accum: bool = False,
+             head: bool = False, embedding: bool = False) -> dict:
     """Compare the bf16 model with its FP8 versions on `text`.
 
     Returns `{"model", "device", "text": {"name", "tokens", "windows", "seq_len", "predicted"},
@@ -198,7 +200,7 @@ def evaluate(model_dir: str | os.PathLike, schemes: Sequence[str], text: str, *,
     per predicted token, `top1` the fraction of positions where both argmaxes agree, each with `_se`.
     `load_report` is `LoadReport.to_dict()` without its `layers` (they are under `layers`).
     Scheme keys: "channel", "block", "tensor", "tensor-tensor" (any name config.py accepts, and "all").
-    `fast_accum`: every FP8 model with Fp8Config(fast_accum=True) (GPU only; block refuses it).
+    `fast_accum`, `head`, `embedding`: every FP8 model with those Fp8Config fields.
     """
     from tqdm.auto import tqdm
 
@@ -206,7 +208,7 @@ def evaluate(model_dir: str | os.PathLike, schemes: Sequence[str], text: str, *,
 
     model_dir = Path(model_dir)
     keys = expand_schemes(schemes)
-    configs = {k: scheme_config(k, fast_accum)[1] for k in keys}
+    configs = {k: scheme_config(k, fast_accum, head, embedding)[1] for k in keys}
     device = resolve_device(device)
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -247,56 +249,4 @@ def evaluate(model_dir: str | os.PathLike, schemes: Sequence[str], text: str, *,
 def config_dict(config: Fp8Config) -> dict:
     """The parts of a config that say what ran (the JSON output's "config")."""
     return {"scheme": config.scheme.value, "activation": config.act_kind(), "backend": config.backend,
-            "fast_accum": config.fast_accum}
-
-
-def plot_schemes(results: dict, path: str | os.PathLike) -> Path:
-    """A PNG of mean KL (with its 99th percentile) and top-1 agreement per scheme, with standard
-    errors as error bars; written to a temporary sibling then renamed."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise ImportError("plotting needs matplotlib: run `pip install matplotlib`") from None
-    path = Path(path)
-    keys = list(results["schemes"])
-    res = [results["schemes"][k] for k in keys]
-    x = list(range(len(keys)))
-    fig = Figure(figsize=(4 + 1.2 * len(keys), 4), layout="constrained")
-    FigureCanvasAgg(fig)  # Agg rendering without pyplot's global state
-    ax_kl, ax_top = fig.subplots(1, 2)
-    ax_kl.errorbar(x, [r["kl"] for r in res], yerr=[r["kl_se"] for r in res], fmt="o", capsize=4,
-                   label="mean ± SE")
-    ax_kl.plot(x, [r["kl_p99"] for r in res], "v", color="gray", label="99th percentile")
-    ax_kl.set_yscale("log")
-    ax_kl.set_ylabel("KL(bf16 || fp8), nats per token (lower is better)")
-    ax_kl.legend(fontsize=8)
-    ax_top.errorbar(x, [100 * r["top1"] for r in res], yerr=[100 * r["top1_se"] for r in res], fmt="o",
-                    capsize=4)
-    ax_top.set_ylabel("top-1 agreement with bf16, % ± SE (higher is better)")
-    for ax in (ax_kl, ax_top):
-        ax.set_xticks(x, keys)
-        ax.set_xlim(-0.5, len(keys) - 0.5)
-        ax.grid(True, axis="y", alpha=0.3)
-    t = results["text"]
-    fig.suptitle(f"{Path(results.get('model', '')).name or 'model'}: FP8 vs bf16 on {t['name']} "
-                 f"({t['predicted']} predictions)", fontsize=9)
-    return _write_atomically(path, lambda f: fig.savefig(f, format="png", dpi=110))
-
-
-def _write_atomically(path: Path, write) -> Path:
-    """Call `write(binary file)` on a new sibling (mode 0666 less the umask, like any new file), then
-    rename it to `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
-
-
+            "fast_accum": config.fast_accum, "head": config.head, "embedding": config.embedding}

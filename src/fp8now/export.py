@@ -21,6 +21,7 @@ from .checkpoint import INDEX_NAME, SINGLE_NAME
 from .ckpt_names import checkpoint_module_names, to_checkpoint_names
 from .config import Fp8Config
 from .formats import SCALE_LEAF, check_expressible, check_format, quantization_config
+from .embedding import Fp8Embedding
 from .linear import Fp8Linear
 from .models import STAMP_FILE, chmod_files
 from .moe import Fp8Experts
@@ -33,6 +34,9 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h
 _REWRITTEN = ("config.json", INDEX_NAME, STAMP_FILE)   # STAMP_FILE: the embedded model's cache stamp
 
 Tensors = Iterator[tuple[str, torch.Tensor]]
+EMBEDDING_REFUSED = ("{what}, and no standard checkpoint format (compressed-tensors, fp8) stores one: load the model "
+                     "with Fp8Config(embedding=False) (CLI: without --fp8-embedding) to export it; an FP8 output "
+                     "head (head=True) exports as an ordinary quantized linear")
 
 
 def _linear_tensors(model: nn.Module, name: str, layer: Fp8Linear, fmt: str) -> Tensors:
@@ -180,6 +184,9 @@ def save(model: nn.Module, out_dir: str | Path, format: str = "compressed-tensor
     _check_target(out_dir)
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    fp8_embedding = next((name for name, m in model.named_modules() if isinstance(m, Fp8Embedding)), None)
+    if fp8_embedding is not None:
+        raise ValueError(EMBEDDING_REFUSED.format(what=f"{fp8_embedding} is an FP8 embedding"))
     groups, left = _quantized(model)
     if not groups:
         raise ValueError(f"{type(model).__name__} has no FP8 layers: load it with fp8now.load (or quantize_) "
@@ -223,6 +230,8 @@ def save(model: nn.Module, out_dir: str | Path, format: str = "compressed-tensor
 def check_export(config: Fp8Config, format: str, out_dir: str | Path) -> str:
     """The checks `quantize` makes before loading anything: format name, scheme it can state, free target."""
     fmt = check_format(format)
+    if config.embedding:
+        raise ValueError(EMBEDDING_REFUSED.format(what="embedding=True (--fp8-embedding) asks for an FP8 embedding"))
     check_expressible(fmt, config.scheme, config.act_kind(), "the requested scheme")
     _check_target(Path(out_dir))
     return fmt

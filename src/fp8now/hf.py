@@ -15,6 +15,7 @@ from torch import nn
 
 from .config import Fp8Config
 from .custom_code import load_config
+from .embedding import Fp8Embedding
 from .linear import Fp8Linear
 from .meta import ThreadDefaultDtype, parameters_on_meta
 
@@ -93,15 +94,38 @@ def tied_names(model: nn.Module) -> dict[str, list[str]]:
     return {n: [m for m in names if m != n] for names in by_id.values() if len(names) > 1 for n in names}
 
 
+def _name_of(model: nn.Module, getter: str) -> str | None:
+    """Module name of what `model.<getter>()` returns (None: no such method or module)."""
+    fn = getattr(model, getter, None)
+    try:
+        module = fn() if callable(fn) else None
+    except (AttributeError, NotImplementedError):
+        return None
+    return None if module is None else next((n for n, m in model.named_modules() if m is module), None)
+
+
+def head_name(model: nn.Module) -> str | None:
+    """Module name of the output head (`get_output_embeddings()`, normally `lm_head`), or None."""
+    return _name_of(model, "get_output_embeddings")
+
+
+def embedding_name(model: nn.Module) -> str | None:
+    """Module name of the input embedding (`get_input_embeddings()`), or None."""
+    return _name_of(model, "get_input_embeddings")
+
+
 def target_linears(model: nn.Module, config: Fp8Config
                    ) -> tuple[dict[str, nn.Linear], list[tuple[str, str]]]:
     """The `nn.Linear`s to quantize, and every other linear with the reason it is left alone.
 
-    Targets: linears inside the transformer blocks (attention, MLP, shared experts). Left alone:
-    anything outside the blocks (`lm_head`, projectors), MoE routers (`gate`, `router`), tied weights,
-    and names matching `config.ignore`. Existing `Fp8Linear`s are listed as already quantized.
+    Targets: linears inside the transformer blocks (attention, MLP, shared experts), and the output head
+    with `config.head` (its tie to the embedding is hf_head.check_options' concern). Left alone: anything
+    else outside the blocks (the head by default, projectors), MoE routers (`gate`, `router`), tied
+    weights, and names matching `config.ignore` (a pattern wins over head=True). Existing `Fp8Linear`s
+    are listed as already quantized.
     """
     tied = tied_names(model)
+    head = head_name(model)
     targets: dict[str, nn.Linear] = {}
     ignored: list[tuple[str, str]] = []
     for name, module in model.named_modules():
@@ -113,7 +137,13 @@ def target_linears(model: nn.Module, config: Fp8Config
         leaf = name.rsplit(".", 1)[-1]
         pattern = match_ignore(name, config.ignore)
         if pattern is not None:
-            reason = f"matches ignore pattern {pattern!r}"
+            reason = f"matches ignore pattern {pattern!r}" + (" (wins over head=True)" if name == head
+                                                                and config.head else "")
+        elif name == head and config.head:
+            targets[name] = module
+            continue
+        elif name == head:
+            reason = "outside the transformer blocks (output head; Fp8Config(head=True) quantizes it)"
         elif not _inside_block(name):
             reason = "outside the transformer blocks (output head / projector)"
         elif leaf in _ROUTER_LEAVES or leaf.endswith("_router"):
@@ -151,7 +181,7 @@ def swap_linears(model: nn.Module, targets: dict[str, nn.Linear], config: Fp8Con
 class Slot:
     """Where one named tensor goes: an FP8 layer's weight/bias ("fp8"), a parameter, or a buffer."""
 
-    kind: str                      # "fp8" | "param" | "buffer"
+    kind: str                      # "fp8" | "embedding" (an Fp8Embedding's table) | "param" | "buffer"
     owner: nn.Module
     leaf: str
     shape: tuple[int, ...]
@@ -163,7 +193,8 @@ class Slot:
 def model_slots(model: nn.Module) -> tuple[dict[str, Slot], dict[str, str], set[str]]:
     """Every tensor a checkpoint may hold for `model`: (name -> Slot, tied alias -> name, computed).
 
-    An `Fp8Linear` expects `weight` (and `bias`), never its scale. A tied parameter is listed once
+    An `Fp8Linear` expects `weight` (and `bias`), never its scale; an `Fp8Embedding` its float `weight`,
+    or, tied to an FP8 head, nothing of its own (its name is an alias of the head's weight). A tied parameter is listed once
     under its first name; its other names map to it. `computed`: non-persistent buffers (e.g. RoPE
     `inv_freq`) that the model builds itself; a checkpoint holding them is tolerated.
     """
@@ -178,6 +209,13 @@ def model_slots(model: nn.Module) -> tuple[dict[str, Slot], dict[str, str], set[
             slots[pre + "weight"] = Slot("fp8", module, "weight", (n, k))
             if module.bias is not None:
                 slots[pre + "bias"] = Slot("fp8", module, "bias", (n,))
+            continue
+        if isinstance(module, Fp8Embedding):   # its float table; tied: the head's weight under another name
+            if module.tied_to is not None:
+                alias_of[pre + "weight"] = f"{module.tied_to}.weight"
+            else:
+                slots[pre + "weight"] = Slot("embedding", module, "weight",
+                                             (module.num_embeddings, module.embedding_dim))
             continue
         for leaf, p in module._parameters.items():
             if p is None:

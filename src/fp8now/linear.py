@@ -48,6 +48,17 @@ def check_float_weight(w: torch.Tensor, name: str, shape: tuple[int, ...]) -> No
         raise ValueError(f"{name or 'weight'} has shape {tuple(w.shape)}, expected {tuple(shape)}")
 
 
+def keep_fp8_on_apply(fn, tensors):
+    """`fn` of `nn.Module._apply` that only moves `tensors` (FP8 bytes, float32 scales), never casts them."""
+    keep = {id(t) for t in tensors}
+
+    def guarded(t: torch.Tensor) -> torch.Tensor:
+        if id(t) in keep:
+            return t.to(fn(t.reshape(-1)[:0]).device)
+        return fn(t)
+    return guarded
+
+
 class Fp8Linear(nn.Module):
     """`y = x @ W.T + b` with `W` in FP8 (`weight` [N, K], `weight_scale` float32), `x` quantized per call.
 
@@ -221,15 +232,8 @@ class Fp8Linear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         """`.to(dtype)` / `.half()` must not touch the FP8 weight or its float32 scale: move them only."""
-        keep = {id(self.weight), id(self.weight_scale)}
-
-        def guarded(t: torch.Tensor) -> torch.Tensor:
-            if id(t) in keep:
-                return t.to(fn(t.reshape(-1)[:0]).device)
-            return fn(t)
-
         before = self.weight.device
-        out = super()._apply(guarded, recurse)
+        out = super()._apply(keep_fp8_on_apply(fn, (self.weight, self.weight_scale)), recurse)
         if self._impl is not None and self.weight.device != before:
             self.pick_backend()
         return out

@@ -2,7 +2,8 @@
 
 At most one layer's float weight is on the device at a time: a quantized layer's tensors wait on the
 host until the layer is complete, then move, are quantized, and are dropped at once. Every other
-tensor (embeddings, norms, lm_head) goes straight to the device in `dtype`.
+tensor (embeddings, norms, lm_head) goes straight to the device in `dtype`, but an FP8 head (a layer
+like the others) and an FP8 embedding (quantized as soon as it is read) under Fp8Config(head=, embedding=).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .config import Fp8Config
 from .checkpoint import ST_DTYPES, checkpoint_files, corrupt_error, index_map, scan_headers
 from .finite import FiniteCheck
 from .hf import Slot, build_skeleton, keep_fp32_names, model_slots, resolve_name, swap_linears, target_linears
+from .hf_head import load_embedding, prepare as prepare_head, tie_embeddings
 from .hf_moe import add_experts, freeze_fp8
 from .legacy import legacy_reason
 from .linear import Fp8Linear, check_float_weight
@@ -25,6 +27,7 @@ from .moe_load import ExpertsLoad
 from .quantize import build_report, layer_row, quantize_  # noqa: F401  (quantize_: also public here)
 from .report import LayerRow, LoadReport
 from .cpu_quantizer import install as install_cpu_quantizer
+from .devices import default_device, resolve_device  # noqa: F401  (public here too)
 from .shared_input import share_inputs
 from .tensor_file import read_tensors
 from .tp import TpState, shard
@@ -171,6 +174,9 @@ def _stream(by_file: dict[Path, list[tuple[str, str]]], slots: dict[str, Slot], 
             if slot.kind == "experts":
                 experts.add(names[key], key, t, path, device, dtype, measure)
                 continue
+            if slot.kind == "embedding":   # Fp8Config(embedding=True): quantized as it is read
+                rows.append(load_embedding(slot.owner, t, device, measure, f"{path}: tensor {key!r}"))
+                continue
             if slot.kind != "fp8":
                 finite.add(_materialize(slot, t, device, dtype), f"{path}: tensor {key!r}")
                 del t
@@ -210,32 +216,12 @@ def _finish(model: nn.Module, device: torch.device, source: str) -> None:
     model.eval()
 
 
-
 def _trim_heap() -> None:
     """Give freed heap pages back to the OS (glibc keeps them after a load's many temporaries)."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do
         pass
-
-
-def default_device() -> torch.device:
-    """cuda (the current GPU) when available, else cpu."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def resolve_device(device: torch.device | str | None) -> torch.device:
-    """None or "auto": `default_device()`; a CUDA device where torch sees no GPU is a clear error."""
-    if device is None or (isinstance(device, str) and device.strip().lower() == "auto"):
-        return default_device()
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r} was asked for, but this torch {torch.__version__} sees no "
-                         "CUDA GPU; pass device='cpu', or leave device unset (auto: cuda when available, "
-                         "else cpu)")
-    return device
 
 
 def load(model_dir: str | Path, config: Fp8Config | None = None,
@@ -277,6 +263,7 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
         return load_prequantized(model_dir, quantization, config, device, dtype)
     model = build_skeleton(model_dir, dtype)
     files = checkpoint_files(model_dir)
+    prepare_head(model, config, str(model_dir), dtype, tp=tp_plan is not None)   # head=, embedding=
     targets, ignored = target_linears(model, config)
     experts = ExpertsLoad(model, config)
     if not targets and not experts.layers:
@@ -297,6 +284,7 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
     by_file, skipped = _source_map(model_dir, files, slots, alias_of, computed,
                                    getattr(model, "base_model_prefix", "") or "", experts)
     rows = _stream(by_file, slots, device, dtype, measure_error, experts, tp)
+    tie_embeddings(model)
     _finish(model, device, str(model_dir))
     share_inputs(model)
     _trim_heap()

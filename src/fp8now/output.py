@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 SCHEMA_KEYS = ("command", "model", "device", "args", "results", "schemes")
 
@@ -152,3 +152,25 @@ def table(head: tuple[str, ...], rows: list[tuple[str, ...]], right_from: int = 
                        for i, (x, w) in enumerate(zip(r, widths))).rstrip() for r in (head, *rows)]
     lines.insert(1, "-" * len(lines[0]))
     return lines
+
+
+def memory_summary(report, rss_after_load: int | None) -> str:
+    """`run`'s closing lines: bytes, the load's time and memory, the process's peak, what was left alone,
+    backends."""
+    from .host_memory import mib, peak_rss_bytes
+
+    backends = Counter(row.backend for row in report.layers)
+    backends.update(f"{row.backend} (experts)" for row in report.experts)
+    left = ", ".join(name for name, _ in report.ignored) or "none"
+    device_peak = "" if report.peak_device_bytes is None else \
+        f"; peak device memory {mib(report.peak_device_bytes)}"
+    return "\n".join([
+        report.summary_lines()[0],
+        f"load: {report.load_s:.2f} s; peak RSS by its end {mib(report.peak_host_rss_bytes or None)}, "
+        f"RSS after it {mib(rss_after_load)}{device_peak}",
+        f"process peak RSS: {mib(peak_rss_bytes())} (the whole run, read at its end)",
+        f"left alone: {len(report.ignored)} ({left})",
+        "backends: " + ", ".join(f"{name} x{count}" for name, count in sorted(backends.items())),
+        *([f"cpu activation quantizer: {report.cpu_quantizer}"] if report.cpu_quantizer else []),
+        *(line for line in report.summary_lines() if line.startswith("WARNING")),
+    ])

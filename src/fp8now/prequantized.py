@@ -123,6 +123,10 @@ def load_prequantized(model_dir: Path, raw: dict, config: Fp8Config | None, devi
 
     config = config or Fp8Config()
     info = read_quantization_config(raw, str(model_dir / "config.json"))
+    if config.head or config.embedding:
+        raise ValueError(f"{model_dir} holds an FP8 checkpoint ({info.fmt}): its files decide which layers are "
+                         "FP8 (an lm_head stored in FP8 loads as FP8), so head=True / embedding=True, which "
+                         "quantize a bf16 checkpoint's head and embedding, do not apply; load it without them")
     model = build_skeleton(model_dir, dtype)
     files = checkpoint_files(model_dir)
     rename = model_key(model)

@@ -68,6 +68,8 @@ def reload_weights(model: nn.Module,
     arrived, and the results are copied into its existing storage: Parameter objects and data_ptr()
     never change, so captured CUDA graphs stay valid. Other tensors are copied in place. A layer
     whose weight or bias is missing from this call is not touched and is listed in `report.partial`.
+    An FP8 embedding (Fp8Config(embedding=True)) is re-quantized per row; tied to an FP8 head, its name
+    (`model.embed_tokens.weight`) reloads the head, which the embedding reads.
     MoE experts take transformers' fused names (`mlp.experts.gate_up_proj`) or the per-expert names
     of checkpoints (`mlp.experts.3.gate_proj.weight`, Mixtral's `w1/w3/w2`), merged by transformers'
     own rules; an experts module is re-quantized once all of its experts arrived.
@@ -125,6 +127,14 @@ def _apply_one(key: str, t: torch.Tensor, slots: dict[str, Slot], alias_of: dict
         with torch.no_grad():
             if experts.add(name, key, t, WHERE, layer.w13.device, bias_dtype, measure=False):
                 report.updated_layers.append(layer.name)
+        return
+    if slot.kind == "embedding":   # Fp8Embedding: re-quantized per row into its storage (NaN/Inf raise first)
+        try:
+            with torch.no_grad():
+                slot.owner.load_(t)   # (tensor parallel loads refuse embedding=True)
+        except ValueError as e:
+            raise ValueError(f"reload_weights: {key!r}: {e}") from None
+        report.updated_layers.append(slot.owner.name)
         return
     if slot.kind != "fp8":
         if not checked:

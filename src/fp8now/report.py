@@ -60,7 +60,8 @@ class ExpertsRow:
 class LoadReport:
     """Filled by `load` and `quantize_`.
 
-    layers: one row per quantized layer. ignored: (module, reason) for every linear left alone.
+    layers: one row per quantized layer (FP8 embedding: backend "lookup", no plan; "lookup (tied)" reads the
+    head's bytes, counted with the head). ignored: (module, reason) for every linear left alone.
     skipped_tensors: (checkpoint tensor, reason) read but not used (a tied duplicate, a legacy inv_freq).
     warnings(): layers whose outliers flushed many weights to zero (also in to_dict() and the summary).
     bf16_bytes: the quantized layers' weights at 2 bytes/element; fp8_bytes: their FP8 weights + scales.
@@ -143,7 +144,8 @@ class LoadReport:
         """The kernel path at 1, 16 and 4096 tokens per call, once per distinct set of paths."""
         groups: dict[tuple, list[str]] = {}
         for r in self.layers:
-            groups.setdefault(tuple(r.plan.items()), []).append(r.name)
+            if r.plan:   # an FP8 embedding runs no GEMM: it has no plan
+                groups.setdefault(tuple(r.plan.items()), []).append(r.name)
         lines = ["kernel plans (tokens per call: path)"]
         for plan, names in groups.items():
             lines.append(f"  {len(names)} layers ({names[0]}{', ...' if len(names) > 1 else ''}):")

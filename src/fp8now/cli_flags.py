@@ -1,0 +1,21 @@
+"""The CLI flags that quantize the output head and the input embedding too (Fp8Config(head=, embedding=)),
+shared by every command that takes `--scheme`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_layer_flags(command: argparse.ArgumentParser) -> None:
+    """`--fp8-head` and `--fp8-embedding` on one subcommand."""
+    command.add_argument("--fp8-head", action="store_true",
+                         help="also quantize the output head (lm_head) like the block linears (default: off, "
+                         "kept in bf16); a tied model (tie_word_embeddings) needs --fp8-embedding with it")
+    command.add_argument("--fp8-embedding", action="store_true",
+                         help="also store the input embedding as FP8 rows with per-row scales (default: off); a "
+                         "tied model needs --fp8-head with it; not exportable (quantize refuses it)")
+
+
+def layer_options(args: argparse.Namespace) -> dict[str, bool]:
+    """Fp8Config's `head` and `embedding` from the parsed flags."""
+    return {"head": bool(getattr(args, "fp8_head", False)), "embedding": bool(getattr(args, "fp8_embedding", False))}
