@@ -122,7 +122,11 @@ class Fp8nowQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs) -> None:
         config = self.quantization_config.fp8_config()
-        check_options(model, config, f"fp8now ({type(model).__name__}.from_pretrained)")   # head=: tied models
+        try:
+            check_options(model, config, f"fp8now ({type(model).__name__}.from_pretrained)")   # head=: tied models
+        except ValueError as e:   # a tied head needs embedding=True, which this door refuses
+            raise ValueError(f"{e}. This door cannot store an FP8 embedding: for a tied model's FP8 head use "
+                             "fp8now.load(folder, Fp8Config(head=True, embedding=True))") from None
         targets, self.ignored = target_linears(model, config)
         if not targets:
             raise ValueError(f"fp8now: nothing to quantize in {type(model).__name__}: all linear layers are "

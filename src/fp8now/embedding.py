@@ -43,7 +43,7 @@ def row_scales(ids: torch.Tensor, scale: torch.Tensor, scheme: Scheme, width: in
 def lookup(ids: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: Scheme,
            dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids [...]` of the FP8 table `q [V, H]`, dequantized in float32 -> [..., H] in `dtype`."""
-    rows = q[ids].float()
+    rows = q.view(torch.uint8)[ids].view(q.dtype).float()   # gathered as bytes: every device indexes uint8
     return (rows * row_scales(ids, scale, scheme, q.shape[1])).to(dtype)
 
 

@@ -19,7 +19,7 @@ from .finite import NonFiniteExperts, nonfinite_slices
 from . import moe_cpu
 from .kernels import quantize_weight
 from .kernels.reference import exact_matmul
-from .linear import check_float_weight, weight_scale_shape
+from .linear import check_float_weight, keep_fp8_on_apply, weight_scale_shape
 from .moe_backends import EXPERT_BACKENDS, pick_expert_backend
 from .numerics import E4M3FN, quantize_activation
 
@@ -275,13 +275,8 @@ class Fp8Experts(nn.Module):
 
     def _apply(self, fn, recurse=True):
         """`.to(dtype)` must not touch FP8 weights or float32 scales: move them only."""
-        keep = {id(self.w13), id(self.w2), id(self.w13_scale), id(self.w2_scale)}
-
-        def guarded(t: torch.Tensor) -> torch.Tensor:
-            return t.to(fn(t.reshape(-1)[:0]).device) if id(t) in keep else fn(t)
-
         before = self.w13.device
-        out = super()._apply(guarded, recurse)
+        out = super()._apply(keep_fp8_on_apply(fn, (self.w13, self.w2, self.w13_scale, self.w2_scale)), recurse)
         if self.backend is not None and self.w13.device != before:
             self._pick_backend()
         return out
