@@ -14,7 +14,8 @@ from .config import Fp8Config
 from .embedding import Fp8Embedding
 from .hf import embedding_name, head_name, match_ignore, set_submodule
 from .linear import Fp8Linear
-from .report import LayerRow, weight_error
+from .report import LayerRow
+from .weight_error import weight_error
 
 
 def is_tied(model: nn.Module, head: str | None, emb: str | None) -> bool:

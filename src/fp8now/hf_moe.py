@@ -20,7 +20,8 @@ from .config import Fp8Config
 from .hf import match_ignore, set_submodule
 from .linear import Fp8Linear
 from .moe import Fp8Experts
-from .report import ExpertsRow, LoadReport, weight_error
+from .report import ExpertsRow, LoadReport
+from .weight_error import weight_error
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from .hf_head import check_options, embedding_row, is_tied, quantize_embedding_,
 from .hf_moe import add_experts, is_experts, quantize_experts_
 from .linear import Fp8Linear
 from .moe import Fp8Experts
-from .report import LayerRow, LoadReport, peak_host_rss_bytes, plan_names, tensor_bytes, weight_error
+from .report import LayerRow, LoadReport, peak_host_rss_bytes, plan_names, tensor_bytes
+from .weight_error import weight_error
 from .shared_input import share_inputs
 
 
