@@ -94,7 +94,7 @@ def implementations(args) -> dict:
     if args.fast_accum:   # Fp8Config(fast_accum=True): the tensor cores' fast accumulation (not block)
         impls.update({f"fp8now-{s}-fast": fp8now_loader(s, fast_accum=True) for s in schemes if s != "block"})
     if args.full:         # Fp8Config(head=True, embedding=True): lm_head and the embedding in FP8 too
-        impls.update({f"fp8now-{s}-full": fp8now_loader(s, full=True) for s in schemes})
+        impls.update({f"fp8now-{s}-full": fp8now_loader(s, head=True, embedding=True) for s in schemes})
     if args.torchao:
         impls.update({f"torchao-row{suffix}": torchao_loader(fast) for suffix, fast in TORCHAO_ACCUM[args.torchao_accum]})
     if not args.impls:

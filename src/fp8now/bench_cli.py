@@ -15,9 +15,9 @@ def bench_command(args, device) -> int:
     from .bench import measure, ratio_table
     from .bench_load import bf16_loader, fp8now_loader
     from .bench_args import options
-    from .cli_flags import layer_options
+    from .cli_flags import flag_config, layer_options
     from .bench_presets import bench_model_dir
-    from .evaluate import config_dict, expand_schemes, scheme_config
+    from .evaluate import config_dict, expand_schemes
     from .loader import resolve_device
     from .output import dumps, envelope, scheme_entry
 
@@ -41,7 +41,7 @@ def bench_command(args, device) -> int:
         options_out = {k: getattr(args, k) for k in ("scheme", "phases", "prefill", "decode", "context",
                                                      "decode_mode", "reps", "prompts", "layers", "fp8_head",
                                                      "fp8_embedding")}
-        schemes = {k: scheme_entry(config_dict(scheme_config(k, **layers)[1]),
+        schemes = {k: scheme_entry(config_dict(flag_config(args, k)[1]),
                                    r.to_dict() if (r := reports.get(f"fp8now-{k}")) is not None else None,
                                    {"rows": [row for row in rows if row["impl"] == f"fp8now-{k}"]}) for k in keys}
         results = {"name": name, "rows": [row for row in rows if row["impl"] == "bf16"]}

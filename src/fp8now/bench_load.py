@@ -23,14 +23,11 @@ def bf16_loader(folder: Path, device: torch.device) -> tuple[nn.Module, None]:
     return load_bf16(folder, device), None
 
 
-def fp8now_loader(scheme: str, fast_accum: bool = False, full: bool = False, *, head: bool | None = None,
-                  embedding: bool | None = None) -> Loader:
-    """fp8now.load of the folder with `scheme` (no per-layer error measurement: it is not part of a
-    load); `full`: the output head and the input embedding in FP8 too (head=True, embedding=True; `head`
-    / `embedding` set one of them alone). Its `warm` compiles the weight quantizer for the model's weight
-    shapes first, untimed."""
-    config = Fp8Config(scheme=scheme, fast_accum=fast_accum, head=full if head is None else head,
-                       embedding=full if embedding is None else embedding)
+def fp8now_loader(scheme: str, fast_accum: bool = False, head: bool = False, embedding: bool = False) -> Loader:
+    """fp8now.load of the folder with `scheme` and those Fp8Config fields (no per-layer error measurement:
+    it is not part of a load); its `warm` compiles the weight quantizer for the model's weight shapes
+    first, untimed."""
+    config = Fp8Config(scheme=scheme, fast_accum=fast_accum, head=head, embedding=embedding)
 
     def load(folder: Path, device: torch.device):
         from .loader import load as fp8_load

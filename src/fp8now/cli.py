@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from .cli_flags import add_layer_flags, layer_options
+from .cli_flags import add_layer_flags, flag_config, layer_options
 
 DEFAULT_PROMPT = "Explain in two sentences why smaller number formats make language models faster."
 SAMPLE_TEMPERATURE = 0.7
@@ -119,11 +119,10 @@ def _progress() -> bool:
 
 def _load(args, measure_error: bool = True, model_dir=None):
     """Check the scheme first (fast), then resolve the model folder and load it in FP8."""
-    from .evaluate import scheme_config
     from .loader import load
     from .models import resolve_model
 
-    key, config = scheme_config(args.scheme, args.fast_accum, **layer_options(args))
+    key, config = flag_config(args)
     device = _device(args.device)
     model_dir = model_dir or resolve_model(args.model, progress=_progress())
     model, report = load(model_dir, config, device=device, measure_error=measure_error)
@@ -131,15 +130,14 @@ def _load(args, measure_error: bool = True, model_dir=None):
 
 
 def cmd_inspect(args) -> int:
-    from .evaluate import config_dict, scheme_config
+    from .evaluate import config_dict
     from .output import dumps, envelope, experts_summary, format_inspect, projection_summary, scheme_entry
 
     key, model_dir, _, report = _load(args)
     data = report.to_dict()
     summary = projection_summary(data["layers"]) + experts_summary(data["experts"])
     if args.json:
-        entry = scheme_entry(config_dict(scheme_config(key, args.fast_accum, **layer_options(args))[1]), data,
-                             {"summary": summary})
+        entry = scheme_entry(config_dict(flag_config(args, key)[1]), data, {"summary": summary})
         print(dumps(envelope("inspect", model_dir, report.device, {"layers": args.layers}, {key: entry})))
         return 0
     print(f"{model_dir} as FP8 ({key})")
@@ -149,11 +147,10 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_quantize(args) -> int:
-    from .evaluate import scheme_config
     from .export import check_export, quantize
     from .models import resolve_model
 
-    key, config = scheme_config(args.scheme, **layer_options(args))
+    key, config = flag_config(args)
     check_export(config, args.format, args.out)   # before converting or loading anything
     out, report = quantize(resolve_model(args.model), args.out, config, args.format, device=_device(args.device))
     print(f"wrote {out} ({args.format}): {len(report.layers)} layers in FP8 ({key}), "
@@ -166,12 +163,12 @@ def cmd_run(args) -> int:
     with contextlib.redirect_stdout(io.StringIO()) if args.json else contextlib.nullcontext():
         key, model_dir, report, generations = _run(args)
     if args.json:
-        from .evaluate import config_dict, scheme_config
+        from .evaluate import config_dict
         from .output import dumps, envelope, scheme_entry
 
         options = {k: getattr(args, k) for k in ("scheme", "prompt", "max_new_tokens", "mode", "seed", "fast_accum",
                                                  "fp8_head", "fp8_embedding")}
-        entry = scheme_entry(config_dict(scheme_config(key, args.fast_accum, **layer_options(args))[1]), report.to_dict(),
+        entry = scheme_entry(config_dict(flag_config(args, key)[1]), report.to_dict(),
                              {"generations": generations})
         print(dumps(envelope("run", model_dir, report.device, options, {key: entry})))
     return 0
@@ -179,7 +176,6 @@ def cmd_run(args) -> int:
 
 def _run(args):
     """The text output of `run`; returns (scheme key, model folder, load report, generation rows)."""
-    from .evaluate import scheme_config
     from .host_memory import current_rss_bytes
     from .models import resolve_model
     from .output import memory_summary
@@ -187,7 +183,7 @@ def _run(args):
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    scheme_config(args.scheme, args.fast_accum, **layer_options(args))   # a bad scheme fails before any read
+    flag_config(args)   # a bad scheme fails before any read
     model_dir = resolve_model(args.model, progress=_progress())
     tokenizer = load_tokenizer(model_dir)            # before any weight is read
     key, model_dir, model, report = _load(args, measure_error=False, model_dir=model_dir)
@@ -252,13 +248,13 @@ def _generate(model, tokenizer, enc, max_new_tokens: int, kwargs: dict) -> tuple
 
 
 def cmd_eval(args) -> int:
-    from .evaluate import bundled_text, evaluate, expand_schemes, plot_schemes, scheme_config
+    from .evaluate import bundled_text, evaluate, expand_schemes, plot_schemes
     from .output import dumps, eval_envelope, format_eval
     from .models import resolve_model
 
     keys = expand_schemes([args.scheme])
     for key in keys:                                 # e.g. block with --fast-accum fails before anything is read
-        scheme_config(key, args.fast_accum, **layer_options(args))
+        flag_config(args, key)
     device = _device(args.device)
     if args.text is None:
         name, text = bundled_text()

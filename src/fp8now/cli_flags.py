@@ -19,3 +19,11 @@ def add_layer_flags(command: argparse.ArgumentParser) -> None:
 def layer_options(args: argparse.Namespace) -> dict[str, bool]:
     """Fp8Config's `head` and `embedding` from the parsed flags."""
     return {"head": bool(getattr(args, "fp8_head", False)), "embedding": bool(getattr(args, "fp8_embedding", False))}
+
+
+def flag_config(args: argparse.Namespace, name: str | None = None):
+    """(scheme key, Fp8Config) of scheme `name` (default: --scheme) with the command's --fast-accum (where it
+    has one), --fp8-head and --fp8-embedding."""
+    from .evaluate import scheme_config
+
+    return scheme_config(name or args.scheme, getattr(args, "fast_accum", False), **layer_options(args))

@@ -103,7 +103,7 @@ class Fp8Embedding(nn.Module):
         shape = (self.num_embeddings, self.embedding_dim)
         if tuple(w.shape) != shape:
             raise ValueError(f"{self.name or 'embedding'} weight has shape {tuple(w.shape)}, expected {shape}")
-        q, s = quantize_rows(w.to(w.device if self.weight.is_meta else self.weight.device), self.name or None)
+        q, s = quantize_rows(w if self.weight.is_meta else w.to(self.weight.device), self.name or None)
         if self.weight.is_meta:
             self.weight = nn.Parameter(q, requires_grad=False)
             self.weight_scale = nn.Parameter(s, requires_grad=False)

@@ -231,7 +231,7 @@ class Fp8Experts(nn.Module):
         b2 = None if self.w2_bias is None else self.w2_bias[e]
         x = nn.functional.pad(x, (0, self.h_pad - self.hidden_size))
         if self.backend == "cpu":
-            return moe_cpu.expert_forward(self, e, x)[:, :self.hidden_size]
+            return moe_cpu.expert_forward(self, e, x, b13, b2)[:, :self.hidden_size]
         h = self._gemm(x, self.w13[e], self.w13_scale[e], b13)
         return self._gemm(self._gated(h), self.w2[e], self.w2_scale[e], b2)[:, :self.hidden_size]
 

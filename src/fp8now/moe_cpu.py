@@ -33,10 +33,9 @@ def release(layer) -> None:
     layer.w13_work = layer.w2_work = None
 
 
-def expert_forward(layer, e: int, x: torch.Tensor) -> torch.Tensor:
-    """Expert e on its padded tokens x [m, Hp] -> [m, Hp] in x.dtype (no routing weight)."""
-    b13 = None if layer.w13_bias is None else layer.w13_bias[e]
-    b2 = None if layer.w2_bias is None else layer.w2_bias[e]
+def expert_forward(layer, e: int, x: torch.Tensor, b13: torch.Tensor | None, b2: torch.Tensor | None
+                   ) -> torch.Tensor:
+    """Expert e (biases `b13`, `b2`) on its padded tokens x [m, Hp] -> [m, Hp] in x.dtype (no routing weight)."""
     h = _gemm(layer, x, layer.w13_work[e], b13)
     return _gemm(layer, layer._gated(h), layer.w2_work[e], b2)
 
