@@ -22,8 +22,9 @@ def _weights(e, h, i, seed=0, bias=False):
 
 
 def _experts(scheme, e=6, h=128, i=192, seed=0, bias=False, gate="glu"):
+    """An experts layer on the exact `reference` backend (the cpu backend's trade: test_moe_cpu.py)."""
     w13, w2, b13, b2 = _weights(e, h, i, seed, bias)
-    m = Fp8Experts(e, h, i, Fp8Config(scheme=scheme), bias=bias, gate=gate, act_fn=torch.nn.SiLU(),
+    m = Fp8Experts(e, h, i, Fp8Config(scheme=scheme, backend="reference"), bias=bias, gate=gate, act_fn=torch.nn.SiLU(),
                    limit=0.05, name="experts")
     m.load_(w13, w2, b13, b2)
     return m, (w13, w2, b13, b2)
@@ -158,6 +159,24 @@ def test_bad_inputs_name_the_layer():
     assert per_tensor.act_kind == "token"   # experts never share one scale over their tokens
     with pytest.raises(ValueError, match="no MoE experts kernel"):
         Fp8Experts(4, 128, 128, Fp8Config(backend="torch"), act_fn=torch.nn.SiLU())
+
+
+def test_the_cpu_default_and_what_a_tensor_parallel_split_runs():
+    """On CPU `auto` picks the cpu experts backend; a split layer (tp_moe) refuses the Triton kernels,
+    naming the layer and the split, and runs the exact reference backend when forced to."""
+    w13, w2 = torch.randn(4, 256, 128).bfloat16(), torch.randn(4, 128, 128).bfloat16()
+    m = Fp8Experts(4, 128, 128, Fp8Config(), act_fn=torch.nn.SiLU(), device="cpu")
+    m.load_(w13, w2)
+    assert m.backend == "cpu" and m.w13_work is not None
+    forced = Fp8Experts(4, 128, 128, Fp8Config(backend="triton"), act_fn=torch.nn.SiLU(), split=True,
+                        name="model.layers.3.mlp.experts")
+    with pytest.raises(RuntimeError, match="model.layers.3.mlp.experts: no experts backend fits on cpu; "
+                                           "rejected: triton: a tensor-parallel split of the experts runs "
+                                           "on cpu or reference only"):
+        forced.load_(w13, w2)
+    m = Fp8Experts(4, 128, 128, Fp8Config(backend="reference"), act_fn=torch.nn.SiLU(), split=True)
+    m.load_(w13, w2)
+    assert m.backend == "reference" and m.w13_work is None
 
 
 def test_load_again_writes_in_place():

@@ -40,7 +40,7 @@ def test_inspect_lists_the_experts_modules(mixtral):
     row = next(line.split() for line in out.splitlines() if line.startswith("experts "))
     assert row[1] == "2" and row[-1] in EXPERTS
     for name in EXPERTS:
-        assert f"experts: {name} E=4 H=128 I=192 block act=group reference bias=no" in out
+        assert f"experts: {name} E=4 H=128 I=192 block act=group cpu bias=no" in out
     assert "quantized 8 layers (block) and 2 experts modules (8 experts, block)" in out
     data = json.loads(fp8now("inspect", str(mixtral), "--scheme", "channel", "--json").stdout)
     assert tuple(data) == SCHEMA_KEYS and data["command"] == "inspect"
@@ -61,7 +61,7 @@ def test_run_generates_with_fp8_experts(mixtral):
     assert [r["name"] for r in entry["report"]["experts"]] == EXPERTS
     assert [g["new_tokens"] for g in entry["results"]["generations"]] == [4, 4]
     text = fp8now("run", str(mixtral), "--max-new-tokens", "3").stdout
-    assert "backends: cpu x8, reference (experts) x2" in text and "2 experts modules" in text
+    assert "backends: cpu x8, cpu (experts) x2" in text and "2 experts modules" in text
 
 
 def test_eval_compares_the_fp8_experts_with_bf16(mixtral, tmp_path):
@@ -99,4 +99,4 @@ def test_the_readme_moe_snippet_and_commands_run_as_written(tmp_path):
         assert proc.returncode == 0, proc.stderr
         outs.append(proc.stdout)
     assert "experts: model.layers.1.mlp.experts E=8 H=256 I=256 block" in outs[0]
-    assert "backends: cpu x8, reference (experts) x2" in outs[1] and "--- greedy: 8 tokens" in outs[1]
+    assert "backends: cpu x8, cpu (experts) x2" in outs[1] and "--- greedy: 8 tokens" in outs[1]

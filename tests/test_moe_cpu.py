@@ -13,7 +13,7 @@ from fp8now import Fp8Config, dequantize, rel_diff
 from fp8now import cpu_quantizer
 from fp8now.config import WEIGHT_GROUP, Scheme
 from fp8now.moe import Fp8Experts
-from fp8now.moe_cpu import _gemm
+from fp8now.moe_cpu import gemm
 from fp8_oracle import varied
 from moe_tiny import save_moe
 from test_moe import SCHEMES, _weights
@@ -41,10 +41,10 @@ def test_working_copies_are_the_fp8_bytes_dequantized_and_each_gemm_is_within_1e
             assert work.dtype == torch.bfloat16 and torch.equal(work, dequantize(q, s, group).to(torch.bfloat16))
         for rows in (1, 7, 40):
             x = varied((rows, m.h_pad), torch.bfloat16, seed=e * 100 + rows, spread=3)
-            got = _gemm(m, x, m.w13_work[e], None)
+            got = gemm(m, x, m.w13_work[e], None)
             assert rel_diff(got, ref._gemm(x, m.w13[e], m.w13_scale[e], None)) < 1e-4
             g = varied((rows, m.i_pad), torch.bfloat16, seed=e * 100 + rows + 1, spread=3)
-            assert rel_diff(_gemm(m, g, m.w2_work[e], None), ref._gemm(g, m.w2[e], m.w2_scale[e], None)) < 1e-4
+            assert rel_diff(gemm(m, g, m.w2_work[e], None), ref._gemm(g, m.w2[e], m.w2_scale[e], None)) < 1e-4
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -86,16 +86,16 @@ def test_batch_invariant_rows_whatever_the_batch():
 
 
 def test_a_real_moe_model_on_the_cpu_experts_backend(tmp_path, monkeypatch):
-    """A tiny Qwen3-MoE from disk with backend="cpu": experts on the cpu backend (in the report), logits
-    close to the reference experts', and the same logits with the compiled quantizer as with torch ops."""
+    """A tiny Qwen3-MoE from disk: experts on the cpu backend by default and when forced (in the report),
+    logits close to the exact reference backend's, the same with the compiled quantizer as with torch ops."""
     folder = save_moe("qwen3_moe", tmp_path / "q")
     ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(6))
     logits = {}
-    for name, backend, how in (("ref", "auto", "torch"), ("torch", "cpu", "torch"), ("compiled", "cpu", "compiled")):
+    for name, backend, how in (("ref", "reference", "torch"), ("torch", "auto", "torch"), ("compiled", "cpu", "compiled")):
         monkeypatch.setenv(cpu_quantizer.ENV, how)
         model, report = fp8now.load(folder, Fp8Config(scheme="channel", backend=backend), device="cpu",
                                     measure_error=False)
-        assert {r.backend for r in report.experts} == {"reference" if backend == "auto" else "cpu"}
+        assert {r.backend for r in report.experts} == {"reference" if backend == "reference" else "cpu"}
         with torch.inference_mode():
             logits[name] = model(input_ids=ids).logits.float()
     assert torch.equal(logits["compiled"], logits["torch"])

@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 import fp8now
 from fp8now import Fp8Config
+from fp8now.moe import Fp8Experts
 from fp8now.numerics import rel_diff
 from moe_tiny import save_moe
 from tiny import tiny_model
@@ -119,14 +120,16 @@ def _check_fused_read(indexes: list, leaf: str, shape: list[int], mode: str, siz
 def _check_run(ckpt: Path, ranks: list[dict], run: str, refs: dict, dense_split: bool = True) -> float:
     """Bytes, reads and logits of one `mode:scheme:invariant` run on every rank; -> the worst rel_diff.
     `dense_split`: the model's own plan splits the attention (else, and for "plan" runs, it stays whole)."""
-    mode, scheme, inv = run.split(":")
-    ref_layers, ref_experts, ref_logits = refs[scheme]
+    fields, at, backend = run.partition("@")
+    mode, scheme, inv = fields.split(":")
+    ref_layers, ref_experts, ref_logits = refs[scheme + at + backend]
     mode = "tp" if mode == "plan" else mode
     worst = 0.0
     for rank, result in enumerate(ranks):
         assert not isinstance(result[run][0], str), result[run][0]
-        layers, experts, logits, log, read_bytes, splits = result[run]
+        layers, experts, logits, log, read_bytes, splits, backends = result[run]
         assert set(experts) == set(ref_experts)
+        assert set(backends.values()) == {backend or "cpu"}, (run, backends)   # the split layers' own backend
         for name, ref in ref_experts.items():
             want = _expected(ref, scheme, mode, len(ranks), rank)
             for got, expect in zip(experts[name], want):
@@ -144,23 +147,28 @@ def _check_run(ckpt: Path, ranks: list[dict], run: str, refs: dict, dense_split:
 
 
 def _refs(ckpt: Path, schemes) -> dict:
+    """TP=1 loads: scheme, or "scheme@backend" -> (layer bytes, experts bytes, logits)."""
     out = {}
-    for scheme in schemes:
-        model, _ = fp8now.load(ckpt, Fp8Config(scheme=scheme), device="cpu", measure_error=False)
+    for key in schemes:
+        scheme, _, backend = key.partition("@")
+        model, _ = fp8now.load(ckpt, Fp8Config(scheme=scheme, backend=backend or "auto"), device="cpu",
+                               measure_error=False)
+        assert {m.backend for m in model.modules() if isinstance(m, Fp8Experts)} == {backend or "cpu"}
         with torch.no_grad():
-            out[scheme] = (layer_bytes(model), experts_bytes(model), model(IDS).logits.float())
+            out[key] = (layer_bytes(model), experts_bytes(model), model(IDS).logits.float())
     return out
 
 
 def test_qwen3_moe_two_ranks_every_scheme(tmp_path):
     """Qwen3-MoE at 2 ranks, 128-aligned shards: ep and tp, every scheme, with tp_invariant (rel_diff <
-    1e-4) and without (stated bound); tp also through a plan dict in transformers' own expert styles."""
+    1e-4) and without (stated bound); tp also through a plan dict in transformers' own expert styles;
+    the split layers on the CPU default (cpu) backend, and once on the exact reference backend."""
     ckpt = _ckpt(tmp_path, "qwen3_moe", hidden=256, inter=256)
     _nan_checkpoint(tmp_path / "nan")
     runs = [f"{m}:{s}:1" for m in ("ep", "tp") for s in ("tensor", "channel", "block")]
-    runs += ["ep:channel:0", "tp:channel:0", "plan:block:0"]
+    runs += ["ep:channel:0", "tp:channel:0", "plan:block:0", "tp:block:1@reference"]
     ranks = _spawn(2, "moe", ckpt, tmp_path / "out", ",".join([*runs, "ep:channel:0:nan", "tp:channel:0:nan"]))
-    refs = _refs(ckpt, ("tensor", "channel", "block"))
+    refs = _refs(ckpt, ("tensor", "channel", "block", "block@reference"))
     diffs = {run: _check_run(ckpt, ranks, run, refs) for run in runs}
     print("logits rel_diff vs TP=1:", diffs)
     for mode in ("ep", "tp"):  # the NaN sits in rank 1's expert (ep) or in rank 1's half of it (tp)

@@ -223,10 +223,10 @@ def test_dense_input_layout_equals_the_reference_loop():
 
 
 def test_backend_choice_and_refusals():
-    """auto is the reference loop on CPU; the Triton kernels refuse activations they do not compute."""
+    """auto is the cpu experts backend on CPU; the Triton kernels refuse activations they do not compute."""
     cpu = Fp8Experts(4, 128, 128, Fp8Config(), act_fn=torch.nn.SiLU(), device="cpu")
     cpu.load_(torch.randn(4, 256, 128), torch.randn(4, 128, 128))
-    assert cpu.backend == "reference"
+    assert cpu.backend == "cpu"
     gelu = Fp8Experts(4, 128, 128, Fp8Config(backend="triton"), act_fn=torch.nn.GELU(), name="layers.3.experts")
     with pytest.raises(RuntimeError, match=r"layers\.3\.experts.*triton: .*not glu with GELU"):
         gelu.load_(torch.randn(4, 256, 128).to(DEV), torch.randn(4, 128, 128).to(DEV))

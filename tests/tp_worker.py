@@ -89,17 +89,19 @@ def experts_bytes(model) -> dict[str, tuple[torch.Tensor, ...]]:
 def _moe(ckpt: str, extra: str, log: list) -> dict:
     """Every (mode, scheme, tp_invariant) of `extra` ("ep:tensor:0,tp:block:1,..."): bytes, logits, reads.
     Mode "plan": the EXPERTS_ONLY plan dict, whose styles choose TP inside the experts. A fourth field
-    names a sibling checkpoint folder to load instead."""
+    names a sibling checkpoint folder to load instead; a tail "@name" forces Fp8Config(backend=name)."""
     import fp8now
     from fp8now import Fp8Config
 
     result: dict = {}
     for run in extra.split(","):
-        mode, scheme, inv, *other = run.split(":")
+        fields, _, backend = run.partition("@")
+        mode, scheme, inv, *other = fields.split(":")
         log.clear()
         folder = Path(ckpt).parent / other[0] if other else ckpt
+        config = Fp8Config(scheme=scheme, tp_invariant=inv == "1", backend=backend or "auto")
         try:
-            model, _ = fp8now.load(folder, Fp8Config(scheme=scheme, tp_invariant=inv == "1"), device="cpu",
+            model, _ = fp8now.load(folder, config, device="cpu",
                                    measure_error=False, tp_plan=EXPERTS_ONLY if mode == "plan" else "auto",
                                    moe_parallel=None if mode == "plan" else mode)
         except (ValueError, RuntimeError) as e:
@@ -109,7 +111,8 @@ def _moe(ckpt: str, extra: str, log: list) -> dict:
             logits = model(IDS).logits.float()
         tp = model._fp8now_tp
         result[run] = (layer_bytes(model), experts_bytes(model), logits, list(log), tp.read_bytes,
-                       {n: s for n, s in tp.moe.splits.items()})
+                       {n: s for n, s in tp.moe.splits.items()},
+                       {n: model.get_submodule(n).backend for n in tp.moe.splits})
     return result
 
 

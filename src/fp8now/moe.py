@@ -67,7 +67,7 @@ class Fp8Experts(nn.Module):
                  config: Fp8Config | None = None, *, bias: bool = False, gate: str = "glu",
                  act_fn: nn.Module | None = None, alpha: float = 1.702, limit: float = 7.0,
                  dense_input: bool = False, device: torch.device | str | None = "meta",
-                 dtype: torch.dtype = torch.bfloat16, name: str = "") -> None:
+                 dtype: torch.dtype = torch.bfloat16, name: str = "", split: bool = False) -> None:
         super().__init__()
         config = config or Fp8Config()
         if gate not in GATES:
@@ -83,6 +83,7 @@ class Fp8Experts(nn.Module):
         self.gate_kind, self.act_fn, self.alpha, self.limit = gate, act_fn, alpha, limit
         self.dense_input = dense_input
         self.name = name
+        self.split = split   # this rank's part of a tensor-parallel layer (tp_moe): moe_backends.SPLIT_BACKENDS
         self.forced_backend, self.batch_invariant = config.backend, config.batch_invariant
         self.graphs = DecodeGraphs() if config.decode_graphs else None   # triton: small-T calls replayed
         self.hf_layout = None   # set by hf_moe: how transformers stores these experts (for reload_weights)

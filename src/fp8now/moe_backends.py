@@ -12,15 +12,20 @@ from .kernels import cpu, device_class
 if TYPE_CHECKING:
     from .moe import Fp8Experts
 
-# Backends that run experts: the Triton grouped FP8 GEMMs (FP8 GPUs; `kernels.triton_moe`), the exact
-# float64 `reference` loop over experts (anywhere), and, when forced (`backend="cpu"`), bf16 working
-# copies and oneDNN GEMMs per expert (CPU; `moe_cpu`). Device class -> candidates, best first.
+# Backends that run experts: the Triton grouped FP8 GEMMs (FP8 GPUs; `kernels.triton_moe`), bf16
+# working copies and oneDNN GEMMs per expert (CPU; `moe_cpu`, the CPU default, as SPEC §9 has it for
+# every layer), and the exact float64 `reference` loop over experts (anywhere). Device class ->
+# candidates, best first. A layer split over a tensor-parallel group computes its expert GEMMs in
+# tp_moe_forward, which runs SPLIT_BACKENDS only.
 EXPERT_BACKENDS = ("auto", "triton", "cpu", "reference")
-EXPERT_TABLE = {"cuda-fp8": ("triton", "reference"), "cuda": ("reference",), "cpu": ("reference",)}
+EXPERT_TABLE = {"cuda-fp8": ("triton", "reference"), "cuda": ("reference",), "cpu": ("cpu", "reference")}
+SPLIT_BACKENDS = ("cpu", "reference")
 
 
 def expert_backend_reason(name: str, device: torch.device, experts: Fp8Experts) -> str | None:
     """None if backend `name` runs `experts` on `device`, else why not."""
+    if experts.split and name not in SPLIT_BACKENDS:
+        return f"a tensor-parallel split of the experts runs on {' or '.join(SPLIT_BACKENDS)} only"
     if name == "reference":
         return None
     if name == "cpu":

@@ -118,7 +118,7 @@ def _local_layer(name: str, layer: Fp8Experts, split: ExpertsSplit, config: Fp8C
     return Fp8Experts(split.experts[1] - split.experts[0], layer.hidden_size, split.inter[1] - split.inter[0],
                       config, bias=bias is not None, gate=layer.gate_kind, act_fn=layer.act_fn, alpha=layer.alpha,
                       limit=layer.limit, dense_input=layer.dense_input, device="meta",
-                      dtype=torch.bfloat16 if bias is None else bias.dtype, name=name)
+                      dtype=torch.bfloat16 if bias is None else bias.dtype, name=name, split=True)
 
 
 def _expert_index(key: str, pattern: str) -> int:

@@ -9,7 +9,8 @@ expert parallelism each slot has one nonzero contributor, so the output equals T
 with TP inside the experts the partial `w2` products are summed, and with `tp_invariant` the
 per-token amax of `w2`'s input shard is reduced (MAX) first, so its FP8 bytes equal TP=1's too.
 This all-reduce of k rows per token (not a token exchange) is the simple combine; an all-to-all
-dispatch would move less data for large batches.
+dispatch would move less data for large batches. The expert GEMMs run on the layer's backend, one of
+`moe_backends.SPLIT_BACKENDS` (cpu working copies, or the exact reference product).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import moe_cpu
+from .config import ACT_GROUP
 from .kernels.reference import exact_matmul
 from .moe import Fp8Experts, combine
-from .numerics import quantize_activation
+from .numerics import dequantize, quantize_activation
 
 
 def _routed_groups(layer: Fp8Experts, x: torch.Tensor, flat: torch.Tensor, k: int, first: int) -> list:
@@ -65,16 +68,36 @@ def _summed_rows(layer: Fp8Experts, groups: list, n: int, split, state, device: 
     for e, rows, x_e in groups:
         b13 = None if layer.w13_bias is None else layer.w13_bias[e]
         x_e = nn.functional.pad(x_e, (0, layer.h_pad - layer.hidden_size))
-        gated.append((e, rows, layer._gated(layer._gemm(x_e, layer.w13[e], layer.w13_scale[e], b13))))
+        gated.append((e, rows, layer._gated(_up(layer, e, x_e, b13))))
     out = torch.zeros((n, layer.hidden_size), dtype=torch.float32, device=device)
     for (e, rows, g), amax in zip(gated, _input_amax(layer, gated, split, state)):
-        g_q, g_s = quantize_activation(g, layer.act_kind, amax=amax)
-        y = exact_matmul(g_q, g_s, layer.w2[e], layer.w2_scale[e], layer.scheme).float()
-        if split.mode == "ep" and layer.w2_bias is not None:
-            y = y + layer.w2_bias[e].float()
-        out[rows] = y[:, :layer.hidden_size]
+        b2 = layer.w2_bias[e] if split.mode == "ep" and layer.w2_bias is not None else None
+        out[rows] = _down(layer, e, g, amax, b2, whole=split.mode == "ep")[:, :layer.hidden_size]
     state.collective(lambda: dist.all_reduce(out, op=dist.ReduceOp.SUM, group=state.group), f"{layer.name} output")
     return out
+
+
+def _up(layer: Fp8Experts, e: int, x: torch.Tensor, b13: torch.Tensor | None) -> torch.Tensor:
+    """Expert e's `w13` GEMM on its padded rows x [m, Hp], as one process runs it on the layer's backend."""
+    if layer.backend == "cpu":
+        return moe_cpu.gemm(layer, x, layer.w13_work[e], b13)
+    return layer._gemm(x, layer.w13[e], layer.w13_scale[e], b13)
+
+
+def _down(layer: Fp8Experts, e: int, g: torch.Tensor, amax: torch.Tensor | None, b2: torch.Tensor | None,
+          whole: bool) -> torch.Tensor:
+    """float32 [m, Hp]: expert e's `w2` product of g [m, Ip] (+ b2), g quantized with `amax` (None: its own).
+    `whole` (ep): this rank holds the whole expert, so the cpu backend runs its GEMM exactly as one
+    process does (rounded to g's dtype); a TP slice's partial product stays float32 for the sum."""
+    if layer.backend == "cpu" and whole and amax is None:
+        return moe_cpu.gemm(layer, g, layer.w2_work[e], b2).float()
+    g_q, g_s = quantize_activation(g, layer.act_kind, amax=amax)
+    if layer.backend == "cpu":   # the working copy's product summed in float32, as tp_forward._widened
+        g_w = dequantize(g_q, g_s, ACT_GROUP[layer.act_kind]).to(layer.w2_work.dtype)
+        y = g_w.float() @ layer.w2_work[e].float().t()
+    else:
+        y = exact_matmul(g_q, g_s, layer.w2[e], layer.w2_scale[e], layer.scheme).float()
+    return y if b2 is None else y + b2.float()
 
 
 def _tp_bias(layer: Fp8Experts, split, out: torch.Tensor, expert: torch.Tensor, used: torch.Tensor
