@@ -178,6 +178,32 @@ def test_qwen3_moe_two_ranks_every_scheme(tmp_path):
         assert "experts model.layers.1.mlp.experts" in e0, e0
 
 
+def test_reload_weights_on_split_experts(tmp_path):
+    """RL refit of a 2-rank Qwen3-MoE (ep, and tp inside the experts): reload_weights takes full tensors,
+    per-expert checkpoint keys or transformers' fused params, keeps this rank's part in place and
+    leaves it equal, byte for byte and in its logits, to a fresh split load of the same weights."""
+    ckpt = _ckpt(tmp_path / "a", "qwen3_moe", hidden=256, inter=256)
+    other = save_moe("qwen3_moe", tmp_path / "b", seed=5, hidden_size=256, num_attention_heads=4,
+                     num_key_value_heads=4, head_dim=64, vocab_size=512, moe_intermediate_size=256)
+    ranks = _spawn(2, "moe_reload", ckpt, tmp_path / "out", other)
+    for rank, result in enumerate(ranks):
+        assert result["fused_keys"] and result["per_expert_keys"]   # both spellings were exercised
+        for run in ("ep:channel", "tp:tensor", "tp:block"):
+            got = result[run]
+            assert got["in_place"], (run, rank)
+            for which in ("other", "fused"):
+                (layers, experts, logits), (want_layers, want_experts, want_logits), partial = got[which]
+                assert partial == [], (run, which, partial)
+                assert set(experts) == set(want_experts) and len(experts) == 2
+                for name, parts in experts.items():
+                    assert all(torch.equal(a, b) for a, b in zip(parts, want_experts[name])), (run, which, name)
+                for name, (q, sc) in layers.items():
+                    assert torch.equal(q, want_layers[name][0]) and torch.equal(sc, want_layers[name][1])
+                assert torch.equal(logits, want_logits), (run, which, rank)
+        a, b = (r["ep:channel"]["other"][0][1] for r in ranks)   # ep: the ranks hold different experts
+        assert not torch.equal(next(iter(a.values()))[0], next(iter(b.values()))[0])
+
+
 def _nan_checkpoint(folder: Path) -> None:
     """The Qwen3-MoE of _ckpt with one NaN in expert 5's down_proj, in its last intermediate column."""
     from moe_tiny import moe_model

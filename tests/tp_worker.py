@@ -41,6 +41,7 @@ class _SliceLog:
 class _FileLog:
     def __init__(self, handle, log: list):
         self.handle, self.log = handle, log
+        self.inner = handle   # also used without `with` (transformers' from_pretrained)
 
     def __enter__(self):
         self.inner = self.handle.__enter__()
@@ -59,6 +60,9 @@ class _FileLog:
 
     def keys(self):
         return self.inner.keys()
+
+    def __getattr__(self, name):   # the rest of safe_open's methods, unlogged (get_tensors: test inputs)
+        return getattr(self.inner, name)
 
 
 def record_reads(log: list) -> None:
@@ -116,6 +120,43 @@ def _moe(ckpt: str, extra: str, log: list) -> dict:
     return result
 
 
+def _moe_reload(ckpt: str, other: str) -> dict:
+    """reload_weights on a split MoE model, per (mode, scheme): the per-expert tensors of checkpoint
+    `other`, then the fused state_dict of `ckpt`'s transformers model as a stream; after each, this
+    rank's bytes and logits next to a fresh split load of that checkpoint, and whether storage stayed."""
+    import fp8now
+    from fp8now import Fp8Config
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    fused = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).state_dict()
+    per_expert = load_file(str(Path(other) / "model.safetensors"))
+    result: dict = {"fused_keys": [k for k in fused if "experts.gate_up_proj" in k],
+                    "per_expert_keys": [k for k in per_expert if ".experts.0." in k]}
+
+    def state(model) -> tuple:
+        with torch.no_grad():
+            return layer_bytes(model), experts_bytes(model), model(IDS).logits.float()
+
+    for run in ("ep:channel", "tp:tensor", "tp:block"):
+        mode, scheme = run.split(":")
+
+        def load(folder):
+            return fp8now.load(folder, Fp8Config(scheme=scheme), device="cpu", measure_error=False,
+                               tp_plan="auto", moe_parallel=mode)[0]
+
+        model = load(ckpt)
+        ptrs = [p.data_ptr() for p in model.parameters()]
+        got = {}
+        report = fp8now.reload_weights(model, per_expert)
+        got["other"] = (state(model), state(load(other)), report.partial)
+        report = fp8now.reload_weights(model, iter(fused.items()))
+        got["fused"] = (state(model), state(load(ckpt)), report.partial)
+        got["in_place"] = ptrs == [p.data_ptr() for p in model.parameters()]
+        result[run] = got
+    return result
+
+
 def _init(rank: int, size: int, port: int) -> None:
     torch.set_num_threads(1)  # several ranks share few cores: oversubscribed OpenMP threads crawl
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -163,6 +204,8 @@ def run(rank: int, size: int, port: int, scenario: str, ckpt: str, out: str, ext
                 result[family] = (model(IDS).logits.float(), model._fp8now_tp.replicated)
     elif scenario == "moe":
         result = _moe(ckpt, extra, log)
+    elif scenario == "moe_reload":
+        result = _moe_reload(ckpt, extra)
     elif scenario == "unaligned":
         result["block"] = _error(lambda: fp8now.load(ckpt, Fp8Config(scheme="block"), device="cpu",
                                                      tp_plan="auto"))

@@ -56,7 +56,9 @@ class ExpertsLoad:
     """The experts of one `fp8now.load` (swapped to meta `Fp8Experts`) or of one `reload_weights` call
     (`config=None`: the model's loaded `Fp8Experts`, rewritten in place), fed tensor by tensor."""
 
-    def __init__(self, model: nn.Module, config: Fp8Config | None) -> None:
+    def __init__(self, model: nn.Module, config: Fp8Config | None, tp=None) -> None:
+        """`tp`: a reload on a tensor-parallel model, the load's `tp_moe.ExpertsTp` (full tensors in, this
+        rank's parts kept)."""
         self.model = model
         self.layers: dict[str, tuple[Fp8Experts, ExpertsLayout]] = {}
         self.ignored: list[tuple[str, str]] = []
@@ -72,6 +74,8 @@ class ExpertsLoad:
                 self.layers[name] = (layer, layout)
         self.fused = {f"{name}.{leaf}": (name, shape) for name, (layer, layout) in self.layers.items()
                       for leaf, shape in hf_shapes(layer, layout).items()}
+        if tp is not None:   # the checkpoint's shapes, not this rank's part
+            self.fused = {fused: (name, tp.full_shape(fused, shape)) for fused, (name, shape) in self.fused.items()}
         self.rules: tuple[list, list] | None = None
         self.parts: dict[str, dict[str, list[str]]] = {}      # fused name -> source pattern -> keys
         self.pattern_of: dict[str, str] = {}                  # checkpoint key -> its source pattern
@@ -79,7 +83,7 @@ class ExpertsLoad:
         self.pending: dict[str, dict[str, object]] = {}       # layer -> fused leaf -> tensor or {key: tensor}
         self.rows: list[ExpertsRow] = []
         self._lookup: dict[str, bool] | None = None
-        self.tp = None   # tp_moe.ExpertsTp under tensor parallelism: which parts to read, how to quantize
+        self.tp = tp     # tp_moe.ExpertsTp under tensor parallelism: which parts to read, how to quantize
 
     def add_slots(self, slots: dict[str, Slot]) -> None:
         """Replace the swapped layers' own FP8 params in `slots` by the transformers names they load from."""
@@ -219,10 +223,10 @@ class ExpertsLoad:
         the fused shape, so that a wrong expert shape fails before anything is written."""
         for fused, by_pattern in self.parts.items():
             keys = [k for ks in by_pattern.values() for k in ks if k in given]
-            layer, layout = self.layers[self.fused[fused][0]]
-            if keys and len(keys) == layer.num_experts * len(self._patterns(dict.fromkeys(keys))):
+            shape = self.fused[fused][1]   # [E, ...]: all experts, whichever this rank holds
+            if keys and len(keys) == shape[0] * len(self._patterns(dict.fromkeys(keys))):
                 merged = self._merge(fused, {k: given[k].to("meta") for k in keys}, where)
-                check_float_weight(merged, fused, hf_shapes(layer, layout)[fused.rsplit(".", 1)[1]])
+                check_float_weight(merged, fused, shape)
 
     def _merge(self, fused: str, held, path: Path | str) -> torch.Tensor:
         """A fused tensor: as stored, or merged from its parts by transformers' own converter."""

@@ -83,7 +83,7 @@ def reload_weights(model: nn.Module,
     if tp is not None:
         tp.full_shapes_into(slots)
     prefix = getattr(model, "base_model_prefix", "") or ""
-    experts = ExpertsLoad(model, None)   # Fp8Experts: transformers' names instead of w13/w2 and scales
+    experts = ExpertsLoad(model, None, None if tp is None else tp.moe)   # transformers' names, not w13/w2
     experts.add_slots(slots)
     known = set(slots) | set(alias_of) | computed
     items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else named_tensors
@@ -124,6 +124,8 @@ def _apply_one(key: str, t: torch.Tensor, slots: dict[str, Slot], alias_of: dict
     if slot.kind == "experts":   # Fp8Experts.load_ checks NaN/Inf of the whole module before writing
         layer = slot.owner
         bias_dtype = layer.w13_bias.dtype if layer.w13_bias is not None else layer.w13.dtype
+        if tp is not None:   # this rank's part (None: another rank's expert)
+            t = tp.moe.local(name, key, experts.pattern_of.get(key), t)
         with torch.no_grad():
             if experts.add(name, key, t, WHERE, layer.w13.device, bias_dtype, measure=False):
                 report.updated_layers.append(layer.name)

@@ -136,20 +136,45 @@ class ExpertsTp:
     state: object                                   # tp.TpState
     splits: dict[str, ExpertsSplit] = field(default_factory=dict)
     layouts: dict[str, ExpertsLayout] = field(default_factory=dict)
+    fused_slices: dict[str, Slice] = field(default_factory=dict)   # fused name -> this rank's slice of it
 
     def claim(self, fused: str, key: str, pattern: str) -> None:
         """A per-expert checkpoint key of `fused`: skipped (another rank's expert) or read in slices."""
-        name, _, leaf = fused.rpartition(".")
-        split, state = self.splits[name], self.state
+        state = self.state
         state.slices.pop(fused, None)  # the fused tensor's slice does not fit one expert's tensor
+        part = self._part(fused, key, pattern)
+        if part is False:
+            state.skip.add(key)
+        elif part is not None:
+            state.slices[fused] = part
+
+    def _part(self, fused: str, key: str, pattern: str) -> Slice | bool | None:
+        """This rank's part of one expert's tensor `key` of `fused`: False (another rank's expert), a
+        Slice, or None (all of it)."""
+        name, _, leaf = fused.rpartition(".")
+        split = self.splits[name]
         if split.mode == "ep":
-            if not split.experts[0] <= _expert_index(key, pattern) < split.experts[1]:
-                state.skip.add(key)
-        elif leaf != "down_proj_bias":   # Linear weights [out, in]: gate/up split rows, down columns
-            dim = 0 if leaf.startswith("gate_up") else 1
-            if self.layouts[name].transposed and leaf in ("gate_up_proj", "down_proj"):
-                dim = 1 - dim
-            state.slices[fused] = Slice(dim, (split.inter,), ())
+            return None if split.experts[0] <= _expert_index(key, pattern) < split.experts[1] else False
+        if leaf == "down_proj_bias":
+            return None
+        dim = 0 if leaf.startswith("gate_up") else 1   # Linear weights [out, in]: gate/up split rows, down columns
+        if self.layouts[name].transposed and leaf in ("gate_up_proj", "down_proj"):
+            dim = 1 - dim
+        return Slice(dim, (split.inter,), ())
+
+    def full_shape(self, fused: str, local: tuple[int, ...]) -> tuple[int, ...]:
+        """The checkpoint shape of `fused`, whose part on this rank has shape `local`."""
+        sl = self.fused_slices.get(fused)
+        return local if sl is None else sl.full_shape
+
+    def local(self, fused: str, key: str, pattern: str | None, t: torch.Tensor) -> torch.Tensor | None:
+        """reload_weights: this rank's part of a full tensor, `fused` whole (pattern None) or one expert's
+        `key`; None for another rank's expert."""
+        if pattern is None:
+            sl = self.fused_slices.get(fused)
+            return t if sl is None else sl.of(t)
+        part = self._part(fused, key, pattern)
+        return None if part is False else t if part is None else part.of(t)
 
     def load(self, layer: Fp8Experts, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None,
              b2: torch.Tensor | None) -> None:
@@ -192,8 +217,10 @@ def shard_experts(model: nn.Module, tp_plan: str | dict[str, str], experts: dict
             state.replicated.append((name, "MoE experts left in bf16: kept whole on every rank"))
     for name, (layer, layout) in list(experts.items()):
         split = _split(model, name, layer, mode, state.size, state.rank)
-        state.slices.update(_fused_slices(name, layer, layout, split))
+        out.fused_slices.update(_fused_slices(name, layer, layout, split))
+        state.slices.update(out.fused_slices)
         local = _local_layer(name, layer, split, config)
+        local.hf_layout = layout   # reload_weights maps transformers' names onto the part again
         set_submodule(model, name, local)
         experts[name] = (local, layout)
         out.splits[name], out.layouts[name] = split, layout
