@@ -181,7 +181,8 @@ def test_qwen3_moe_two_ranks_every_scheme(tmp_path):
 def test_reload_weights_on_split_experts(tmp_path):
     """RL refit of a 2-rank Qwen3-MoE (ep, and tp inside the experts): reload_weights takes full tensors,
     per-expert checkpoint keys or transformers' fused params, keeps this rank's part in place and
-    leaves it equal, byte for byte and in its logits, to a fresh split load of the same weights."""
+    leaves it equal, byte for byte and in its logits, to a fresh split load of the same weights; saving
+    a split model is refused."""
     ckpt = _ckpt(tmp_path / "a", "qwen3_moe", hidden=256, inter=256)
     other = save_moe("qwen3_moe", tmp_path / "b", seed=5, hidden_size=256, num_attention_heads=4,
                      num_key_value_heads=4, head_dim=64, vocab_size=512, moe_intermediate_size=256)
@@ -202,6 +203,10 @@ def test_reload_weights_on_split_experts(tmp_path):
                 assert torch.equal(logits, want_logits), (run, which, rank)
         a, b = (r["ep:channel"]["other"][0][1] for r in ranks)   # ep: the ranks hold different experts
         assert not torch.equal(next(iter(a.values()))[0], next(iter(b.values()))[0])
+        # saving a rank's slices would write a checkpoint that passes for the whole model: refused, no folder
+        error, written = result["save"]
+        assert error.startswith("ValueError") and f"rank {rank} of 2 holds slices" in error, error
+        assert "load it without tp_plan" in error and not written
 
 
 def _nan_checkpoint(folder: Path) -> None:

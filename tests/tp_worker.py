@@ -154,6 +154,8 @@ def _moe_reload(ckpt: str, other: str) -> dict:
         got["fused"] = (state(model), state(load(ckpt)), report.partial)
         got["in_place"] = ptrs == [p.data_ptr() for p in model.parameters()]
         result[run] = got
+    target = Path(other).parent / f"saved-by-{dist.get_rank()}"
+    result["save"] = (_error(lambda: fp8now.save(model, target, source=ckpt)), target.exists())
     return result
 
 

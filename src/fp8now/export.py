@@ -187,6 +187,11 @@ def save(model: nn.Module, out_dir: str | Path, format: str = "compressed-tensor
     fp8_embedding = next((name for name, m in model.named_modules() if isinstance(m, Fp8Embedding)), None)
     if fp8_embedding is not None:
         raise ValueError(EMBEDDING_REFUSED.format(what=f"{fp8_embedding} is an FP8 embedding"))
+    tp = getattr(model, "_fp8now_tp", None)
+    if tp is not None:   # each rank holds slices: written as they are, they would pass for a whole model
+        raise ValueError(f"{type(model).__name__} is split over a tensor-parallel group (rank {tp.rank} of "
+                         f"{tp.size} holds slices of its layers and experts); saving needs the whole model: "
+                         "load it without tp_plan in one process and save that (the FP8 bytes are the same)")
     groups, left = _quantized(model)
     if not groups:
         raise ValueError(f"{type(model).__name__} has no FP8 layers: load it with fp8now.load (or quantize_) "
