@@ -226,15 +226,20 @@ class Fp8Experts(nn.Module):
         up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
+    def expert_gemm(self, e: int, leaf: str, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """Expert e's `leaf` ("w13" or "w2") GEMM of x [m, K] (+ b) on the layer's backend -> [m, N] in
+        x.dtype: the cpu working copy (moe_cpu), else the exact product."""
+        if self.backend == "cpu":
+            return moe_cpu.gemm(self, x, getattr(self, f"{leaf}_work")[e], b)
+        return self._gemm(x, getattr(self, leaf)[e], getattr(self, f"{leaf}_scale")[e], b)
+
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on its tokens x [m, H] -> [m, H] (no routing weight)."""
         b13 = None if self.w13_bias is None else self.w13_bias[e]
         b2 = None if self.w2_bias is None else self.w2_bias[e]
         x = nn.functional.pad(x, (0, self.h_pad - self.hidden_size))
-        if self.backend == "cpu":
-            return moe_cpu.expert_forward(self, e, x, b13, b2)[:, :self.hidden_size]
-        h = self._gemm(x, self.w13[e], self.w13_scale[e], b13)
-        return self._gemm(self._gated(h), self.w2[e], self.w2_scale[e], b2)[:, :self.hidden_size]
+        h = self.expert_gemm(e, "w13", x, b13)
+        return self.expert_gemm(e, "w2", self._gated(h), b2)[:, :self.hidden_size]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
                 top_k_weights: torch.Tensor | None = None) -> torch.Tensor:

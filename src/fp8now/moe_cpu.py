@@ -33,13 +33,6 @@ def release(layer) -> None:
     layer.w13_work = layer.w2_work = None
 
 
-def expert_forward(layer, e: int, x: torch.Tensor, b13: torch.Tensor | None, b2: torch.Tensor | None
-                   ) -> torch.Tensor:
-    """Expert e (biases `b13`, `b2`) on its padded tokens x [m, Hp] -> [m, Hp] in x.dtype (no routing weight)."""
-    h = gemm(layer, x, layer.w13_work[e], b13)
-    return gemm(layer, layer._gated(h), layer.w2_work[e], b2)
-
-
 def gemm(layer, x: torch.Tensor, work: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """quantize(x [m, K]) @ work.T (+ bias) -> [m, N] in x.dtype, as the layer runs every expert GEMM."""
     x_w = cpu.widened_activation(x, layer.act_kind, layer.act_quantizer)

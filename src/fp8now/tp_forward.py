@@ -32,16 +32,13 @@ def _scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, layer: Fp8Linear) -> to
 
 
 def _widened(x_q: torch.Tensor, x_scale: torch.Tensor, layer: Fp8Linear) -> torch.Tensor:
-    """The cpu backend's product in float32: bf16(x_q * s_x), rounded as its forward rounds it, times its
-    bf16 working copy, summed in float32."""
-    from .config import ACT_GROUP
-    from .kernels.cpu import working_copy
+    """The cpu backend's product in float32 (its bf16 working copy, made here if the layer has none)."""
+    from .kernels.cpu import widened_product, working_copy
 
     work = layer._work
     if work is None:
         work = working_copy(layer.weight, layer.weight_scale, layer.scheme)
-    x_w = numerics.dequantize(x_q, x_scale, ACT_GROUP[layer.act_kind]).to(work.dtype)  # as cpu.widened_activation
-    return x_w.float() @ work.float().t()
+    return widened_product(x_q, x_scale, layer.act_kind, work)
 
 
 # Backend -> GEMM of pre-quantized operands, float32 out: [M, K] fp8 x [N, K] fp8 -> [M, N].

@@ -19,11 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import moe_cpu
-from .config import ACT_GROUP
+from .kernels import cpu
 from .kernels.reference import exact_matmul
 from .moe import Fp8Experts, combine
-from .numerics import dequantize, quantize_activation
+from .numerics import quantize_activation
 
 
 def _routed_groups(layer: Fp8Experts, x: torch.Tensor, flat: torch.Tensor, k: int, first: int) -> list:
@@ -68,36 +67,25 @@ def _summed_rows(layer: Fp8Experts, groups: list, n: int, split, state, device: 
     for e, rows, x_e in groups:
         b13 = None if layer.w13_bias is None else layer.w13_bias[e]
         x_e = nn.functional.pad(x_e, (0, layer.h_pad - layer.hidden_size))
-        gated.append((e, rows, layer._gated(_up(layer, e, x_e, b13))))
+        gated.append((e, rows, layer._gated(layer.expert_gemm(e, "w13", x_e, b13))))
     out = torch.zeros((n, layer.hidden_size), dtype=torch.float32, device=device)
     for (e, rows, g), amax in zip(gated, _input_amax(layer, gated, split, state)):
-        b2 = layer.w2_bias[e] if split.mode == "ep" and layer.w2_bias is not None else None
-        out[rows] = _down(layer, e, g, amax, b2, whole=split.mode == "ep")[:, :layer.hidden_size]
+        if split.mode == "ep":   # the whole expert, run as one process runs it (its owner adds w2's bias)
+            y = layer.expert_gemm(e, "w2", g, None if layer.w2_bias is None else layer.w2_bias[e]).float()
+        else:
+            y = _partial_down(layer, e, g, amax)
+        out[rows] = y[:, :layer.hidden_size]
     state.collective(lambda: dist.all_reduce(out, op=dist.ReduceOp.SUM, group=state.group), f"{layer.name} output")
     return out
 
 
-def _up(layer: Fp8Experts, e: int, x: torch.Tensor, b13: torch.Tensor | None) -> torch.Tensor:
-    """Expert e's `w13` GEMM on its padded rows x [m, Hp], as one process runs it on the layer's backend."""
-    if layer.backend == "cpu":
-        return moe_cpu.gemm(layer, x, layer.w13_work[e], b13)
-    return layer._gemm(x, layer.w13[e], layer.w13_scale[e], b13)
-
-
-def _down(layer: Fp8Experts, e: int, g: torch.Tensor, amax: torch.Tensor | None, b2: torch.Tensor | None,
-          whole: bool) -> torch.Tensor:
-    """float32 [m, Hp]: expert e's `w2` product of g [m, Ip] (+ b2), g quantized with `amax` (None: its own).
-    `whole` (ep): this rank holds the whole expert, so the cpu backend runs its GEMM exactly as one
-    process does (rounded to g's dtype); a TP slice's partial product stays float32 for the sum."""
-    if layer.backend == "cpu" and whole and amax is None:
-        return moe_cpu.gemm(layer, g, layer.w2_work[e], b2).float()
+def _partial_down(layer: Fp8Experts, e: int, g: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+    """float32 [m, Hp]: this rank's partial `w2` product of expert e's slice, g [m, Ip] quantized with
+    `amax` (None: its own), left unrounded for the sum over ranks."""
     g_q, g_s = quantize_activation(g, layer.act_kind, amax=amax)
-    if layer.backend == "cpu":   # the working copy's product summed in float32, as tp_forward._widened
-        g_w = dequantize(g_q, g_s, ACT_GROUP[layer.act_kind]).to(layer.w2_work.dtype)
-        y = g_w.float() @ layer.w2_work[e].float().t()
-    else:
-        y = exact_matmul(g_q, g_s, layer.w2[e], layer.w2_scale[e], layer.scheme).float()
-    return y if b2 is None else y + b2.float()
+    if layer.backend == "cpu":
+        return cpu.widened_product(g_q, g_s, layer.act_kind, layer.w2_work[e])
+    return exact_matmul(g_q, g_s, layer.w2[e], layer.w2_scale[e], layer.scheme).float()
 
 
 def _tp_bias(layer: Fp8Experts, split, out: torch.Tensor, expert: torch.Tensor, used: torch.Tensor

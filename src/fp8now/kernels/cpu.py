@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..config import WEIGHT_GROUP, Scheme
+from ..config import ACT_GROUP, WEIGHT_GROUP, Scheme
 from ..numerics import ACT_RULE, dequantize, scale_from_amax
 from .plan import Path, Weights
 
@@ -170,6 +170,14 @@ def matmul(x_w: torch.Tensor, w_w: torch.Tensor, bias: torch.Tensor | None,
     if bias is not None and fused is None:
         y = y.float() + bias.float()
     return y
+
+
+def widened_product(x_q: torch.Tensor, x_scale: torch.Tensor, act_kind: str, work: torch.Tensor) -> torch.Tensor:
+    """float32 [M, N]: FP8 activations already quantized (`x_q`, `x_scale` of `act_kind`), widened as
+    `widened_activation` rounds them, times the bf16 working copy `work [N, K]`, summed in float32 (a
+    tensor-parallel partial product, summed over ranks before any rounding)."""
+    x_w = dequantize(x_q, x_scale, ACT_GROUP[act_kind]).to(work.dtype)
+    return x_w.float() @ work.float().t()
 
 
 def prepare(w_q: torch.Tensor, w_scale: torch.Tensor, scheme: Scheme,
