@@ -217,8 +217,9 @@ def shard_experts(model: nn.Module, tp_plan: str | dict[str, str], experts: dict
             state.replicated.append((name, "MoE experts left in bf16: kept whole on every rank"))
     for name, (layer, layout) in list(experts.items()):
         split = _split(model, name, layer, mode, state.size, state.rank)
-        out.fused_slices.update(_fused_slices(name, layer, layout, split))
-        state.slices.update(out.fused_slices)
+        slices = _fused_slices(name, layer, layout, split)
+        out.fused_slices.update(slices)
+        state.slices.update(slices)
         local = _local_layer(name, layer, split, config)
         local.hf_layout = layout   # reload_weights maps transformers' names onto the part again
         set_submodule(model, name, local)
