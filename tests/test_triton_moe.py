@@ -236,11 +236,13 @@ def test_backend_choice_and_refusals():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("k", [1, 2, 8])
-def test_graph_packing_round_trips(dtype, k):
-    """The graphed call's single input carries x, the ids and the weights bit for bit."""
+@pytest.mark.parametrize("t", [1, 5])
+def test_graph_packing_round_trips(dtype, k, t):
+    """The graphed call's single input carries x, the ids and the weights bit for bit (also one token, whose
+    packed row width is not a multiple of 4 elements: a [1, n] slice keeps the parent's row stride)."""
     g = torch.Generator().manual_seed(k)
-    x = torch.randn(5, 128, generator=g).to(dtype)
-    idx, wts = torch.randint(0, 1000, (5, k), generator=g, dtype=torch.int32), torch.rand(5, k, generator=g)
+    x = torch.randn(t, 128, generator=g).to(dtype)
+    idx, wts = torch.randint(0, 1000, (t, k), generator=g, dtype=torch.int32), torch.rand(t, k, generator=g)
     x2, idx2, wts2 = unpack(pack(x, idx, wts), 128, k)
     assert torch.equal(x2, x) and idx2.dtype == torch.int64 and torch.equal(idx2, idx.long())
     assert torch.equal(wts2.view(torch.int32), wts.view(torch.int32))

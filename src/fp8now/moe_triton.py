@@ -80,8 +80,10 @@ def pack(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 def unpack(packed: torch.Tensor, h: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of `pack`: (x [T, H] (a view), ids [T, k] int64, weights [T, k] float32)."""
     ids_end = h + 8 * k // packed.element_size()
-    return (packed[:, :h], packed[:, h:ids_end].contiguous().view(torch.int64),
-            packed[:, ids_end:].contiguous().view(torch.float32))
+    # Flattened before the dtype view: a [1, n] slice is "contiguous" with its parent's row stride, which
+    # a view to a wider dtype refuses unless the row width happens to be a multiple of it.
+    return (packed[:, :h], packed[:, h:ids_end].contiguous().view(-1).view(torch.int64).view(-1, k),
+            packed[:, ids_end:].contiguous().view(-1).view(torch.float32).view(-1, k))
 
 
 def _call(experts: Fp8Experts, h: int, k: int, device: torch.device):
