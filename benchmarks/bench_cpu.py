@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-QUICK_EVAL_TOKENS = 4096  # fp8now.cli's default for `eval --max-tokens`
+QUICK_EVAL_TOKENS = 4096  # fp8now.cli.main's default for `eval --max-tokens`
 
 
 def _env() -> dict:
@@ -40,10 +40,10 @@ def bf16_child(tokens: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fp8now.cli import DEFAULT_PROMPT, _encode, _timed_generate
+    from fp8now.cli.main import DEFAULT_PROMPT, _encode, _timed_generate
     from fp8now.host_memory import peak_rss_bytes
-    from fp8now.models import resolve_model
-    from fp8now.tokenizer import load_tokenizer
+    from fp8now.hf.models import resolve_model
+    from fp8now.hf.tokenizer import load_tokenizer
 
     model_dir = resolve_model(None, progress=False)
     tokenizer = load_tokenizer(model_dir)
@@ -56,7 +56,7 @@ def bf16_child(tokens: int) -> None:
 
 def fp8_run(tokens: int) -> dict:
     """`fp8now run` as a user runs it; tokens/s and process peak RSS parsed from its output."""
-    proc = subprocess.run([sys.executable, "-m", "fp8now.cli", "run", "--mode", "greedy",
+    proc = subprocess.run([sys.executable, "-m", "fp8now", "run", "--mode", "greedy",
                            "--max-new-tokens", str(tokens)], capture_output=True, text=True, env=_env())
     if proc.returncode:
         raise RuntimeError(f"fp8now run failed: {proc.stderr[-2000:]}")
@@ -81,8 +81,8 @@ def eval_forward(repeats: int, n_tokens: int) -> list[dict]:
     import torch
 
     from fp8now import Fp8Config, load
-    from fp8now.evaluate import batches, bundled_text, load_bf16, tokenize, windows
-    from fp8now.models import resolve_model
+    from fp8now.cli.evaluate import batches, bundled_text, load_bf16, tokenize, windows
+    from fp8now.hf.models import resolve_model
 
     model_dir = resolve_model(None, progress=False)
     wins = windows(tokenize(model_dir, bundled_text()[1])[:n_tokens], 512)

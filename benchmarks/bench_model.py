@@ -49,8 +49,8 @@ def torchao_loader(fast_accum: bool):
         from torchao.quantization.granularity import PerRow
 
         from fp8now import Fp8Config
-        from fp8now.bench_load import bf16_loader
-        from fp8now.hf import target_linears
+        from fp8now.cli.bench_load import bf16_loader
+        from fp8now.hf.modules import target_linears
 
         model = bf16_loader(folder, device)[0]
         targets = set(target_linears(model, Fp8Config())[0])
@@ -87,7 +87,7 @@ def kernel_times(fn) -> dict:
 
 def implementations(args) -> dict:
     """impl name -> loader, filtered by --impls (an unknown name is an error listing the known ones)."""
-    from fp8now.bench_load import bf16_loader, fp8now_loader
+    from fp8now.cli.bench_load import bf16_loader, fp8now_loader
 
     schemes = [s for s in args.schemes.split(",") if s]
     impls = {"bf16": bf16_loader, **{f"fp8now-{s}": fp8now_loader(s) for s in schemes}}
@@ -120,9 +120,9 @@ def stored_reference(path: Path, key: dict):
 
 
 def main() -> None:
-    from fp8now.bench import decode_mode, measure, ratio_table
-    from fp8now.bench_args import add_arguments, options
-    from fp8now.bench_presets import NAMES, bench_model_dir
+    from fp8now.cli.bench import decode_mode, measure, ratio_table
+    from fp8now.cli.bench_args import add_arguments, options
+    from fp8now.cli.bench_presets import NAMES, bench_model_dir
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("models", nargs="*", default=["llama3.1-8b"], metavar="MODEL",

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from fp8now import Fp8Config, quantize_weight
-from fp8now.loader import load
+from fp8now.loading.load import load
 from tiny import save_checkpoint, write_tiny_checkpoint
 
 LAYER = "model.layers.1.mlp.up_proj"

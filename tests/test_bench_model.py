@@ -104,7 +104,7 @@ def test_cli_bench_rejects_layers_for_a_folder(tmp_path):
 def test_decode_step_matches_a_full_forward(family):
     """The cached step's logits equal the last position's logits of one forward over context + token;
     calling it again rewrites the same slot and gives the same logits."""
-    from fp8now.bench_decode import decode_step, random_ids
+    from fp8now.cli.bench_decode import decode_step, random_ids
     from moe_tiny import moe_model
     from tiny import tiny_model
 
@@ -123,7 +123,7 @@ def test_decode_step_matches_a_full_forward(family):
 def test_presets_have_the_published_parameter_counts():
     from transformers import AutoModelForCausalLM
 
-    from fp8now.bench_presets import preset_config
+    from fp8now.cli.bench_presets import preset_config
 
     def count(name: str, layers: int) -> int:
         with torch.device("meta"):
@@ -137,8 +137,8 @@ def test_presets_have_the_published_parameter_counts():
 def test_ratio_table_and_bad_options():
     import argparse
 
-    from fp8now.bench import ratio_table
-    from fp8now.bench_args import add_arguments, options
+    from fp8now.cli.bench import ratio_table
+    from fp8now.cli.bench_args import add_arguments, options
 
     base = dict(model="m", batch=8, seq=2048, peak_gb=1.0)
     rows = [dict(base, impl="bf16", phase="prefill", tokens_per_s=1000.0, seconds=16.4),
@@ -164,8 +164,8 @@ def test_random_checkpoint_round_trips_and_presets_are_reused(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from fp8now import load
-    from fp8now.bench_load import read_through
-    from fp8now.bench_presets import fill_random_, preset_dir, write_random
+    from fp8now.cli.bench_load import read_through
+    from fp8now.cli.bench_presets import fill_random_, preset_dir, write_random
     from moe_tiny import moe_config
 
     config = moe_config("qwen3_moe")
@@ -192,7 +192,7 @@ def test_random_checkpoint_round_trips_and_presets_are_reused(tmp_path):
 
 def test_agreement_against_a_direct_computation():
     """KL(ref || got) and top-1 of bench.agreement against the definition, per position, in Python floats."""
-    from fp8now.bench import agreement
+    from fp8now.cli.bench import agreement
 
     g = torch.Generator().manual_seed(11)
     ref = [torch.randn(t, 50, generator=g) * 3 for t in (3, 5)]

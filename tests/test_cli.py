@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fp8now.cli import main
-from fp8now.output import SCHEMA_KEYS
+from fp8now.cli.main import main
+from fp8now.cli.output import SCHEMA_KEYS
 from tiny import write_tiny_checkpoint
 
 from test_evaluate import save_byte_tokenizer
@@ -20,10 +20,10 @@ from test_models import embedded_model_dir, needs_gguf
 
 
 def fp8now(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `python -m fp8now.cli ARGS` with the session's converted cache."""
+    """Run `python -m fp8now ARGS` with the session's converted cache."""
     path, _ = embedded_model_dir()
     env = {**os.environ, "FP8NOW_CACHE": str(path.parent)}
-    return subprocess.run([sys.executable, "-m", "fp8now.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "fp8now", *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
 
 
@@ -171,7 +171,7 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(tiny_dir, capsys):
 def test_another_tools_scheme_name_works_end_to_end(tiny_dir, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 4)
-    proc = subprocess.run([sys.executable, "-m", "fp8now.cli", "eval", str(tiny_dir), "--scheme", "FP8_PER_TENSOR",
+    proc = subprocess.run([sys.executable, "-m", "fp8now", "eval", str(tiny_dir), "--scheme", "FP8_PER_TENSOR",
                            "--text", str(text), "--seq-len", "90", "--device", "cpu", "--json"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -192,7 +192,7 @@ def test_inspect_names_each_layers_kernel_path(tiny_dir):
     """`inspect --json` holds the report's `to_dict()` (strict JSON), whose layer rows map 1, 16 and
     4096 tokens per call to the path that layer's calls run (on CPU: the cpu backend's quantizer and
     bf16 GEMM); the text output lists the same paths."""
-    run = lambda *a: subprocess.run([sys.executable, "-m", "fp8now.cli", "inspect", str(tiny_dir),  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "fp8now", "inspect", str(tiny_dir),  # noqa: E731
                                      "--device", "cpu", *a], capture_output=True, text=True, timeout=300)
     proc = run("--scheme", "block", "--json")
     assert proc.returncode == 0, proc.stderr

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from fp8now import Fp8Config, load
-from fp8now import cpu_quantizer
+from fp8now.layers import cpu_quantizer
 from fp8now.kernels import cpu, cpu_aot
-from fp8now.models import cache_root
+from fp8now.cache import cache_root
 from fp8now.numerics import quantize_activation
 from fp8_oracle import round_fp8, varied
 from test_cpu_backend import _near_every_boundary
@@ -134,7 +134,7 @@ def test_cli_run_says_which_quantizer_and_generates_the_same(tmp_path):
     save_byte_tokenizer(folder)
     texts = {}
     for how in ("compiled", "torch"):
-        proc = subprocess.run([sys.executable, "-m", "fp8now.cli", "run", str(folder), "--max-new-tokens", "6",
+        proc = subprocess.run([sys.executable, "-m", "fp8now", "run", str(folder), "--max-new-tokens", "6",
                                "--json"], capture_output=True, text=True, timeout=300,
                               env={**os.environ, cpu_quantizer.ENV: how})
         assert proc.returncode == 0, proc.stderr

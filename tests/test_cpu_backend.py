@@ -10,9 +10,9 @@ from safetensors.torch import load_file
 from fp8now import Fp8Config, Fp8Linear, Scheme, rel_diff
 from fp8now.kernels import cpu, pick_backend, reference
 from fp8now.kernels.plan import Weights, plan
-from fp8now.loader import load
+from fp8now.loading.load import load
 from fp8now.numerics import quantize_activation, quantize_weight
-from fp8now.reload import reload_weights
+from fp8now.loading.reload import reload_weights
 from tiny import write_tiny_checkpoint
 from fp8_oracle import fp8_values, round_fp8, varied
 

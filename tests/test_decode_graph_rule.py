@@ -1,9 +1,9 @@
-"""The rule that picks which eager calls replay CUDA graphs (fp8now.decode_graphs.max_rows), on CPU:
+"""The rule that picks which eager calls replay CUDA graphs (fp8now.layers.decode_graphs.max_rows), on CPU:
 graphs exactly while the estimated GPU time of a call is within the host-bound budget."""
 
 import random
 
-from fp8now import decode_graphs as dg
+from fp8now.layers import decode_graphs as dg
 
 
 def estimated_s(m, n, k):

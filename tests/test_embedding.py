@@ -9,7 +9,7 @@ from fp8_oracle import quantize_loops, varied
 from torch import nn
 
 from fp8now import Fp8Config, Fp8Linear
-from fp8now.embedding import Fp8Embedding, lookup, quantize_rows
+from fp8now.layers.embedding import Fp8Embedding, lookup, quantize_rows
 
 V, H = 300, 200   # partial 128x128 tiles in both dims; not a multiple of anything
 # scheme -> (oracle group rows, group cols, rule)

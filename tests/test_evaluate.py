@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8now import Fp8Config
-from fp8now.evaluate import (ALL_SCHEMES, batches, bundled_text, compare_models, evaluate, expand_schemes,
+from fp8now.cli.evaluate import (ALL_SCHEMES, batches, bundled_text, compare_models, evaluate, expand_schemes,
                              plot_schemes, scheme_config, tokenize, windows)
 from tiny import write_tiny_checkpoint
 
@@ -76,7 +76,7 @@ def _straightforward(ref_dir: Path, text: str, scheme: str) -> dict[str, float]:
     """The same metrics written out plainly, window by window, with torch's own kl_div/cross_entropy."""
     from transformers import AutoModelForCausalLM
 
-    from fp8now.loader import load
+    from fp8now.loading.load import load
 
     ids = tokenize(ref_dir, text)[:MAX_TOKENS]
     ref = AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.bfloat16).eval()

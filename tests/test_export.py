@@ -165,7 +165,7 @@ def test_transformers_reads_the_export_and_agrees(aligned_dir, tmp_path, fmt, sc
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fp8now.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "fp8now", *args], capture_output=True, text=True,
                           env=dict(os.environ), timeout=300)
 
 

@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    """`python -m fp8now.cli ARGS` on a tiny model (no embedded-model cache needed)."""
-    return subprocess.run([sys.executable, "-m", "fp8now.cli", *args], capture_output=True, text=True,
+    """`python -m fp8now ARGS` on a tiny model (no embedded-model cache needed)."""
+    return subprocess.run([sys.executable, "-m", "fp8now", *args], capture_output=True, text=True,
                           timeout=300)
 
 
@@ -112,7 +112,7 @@ def test_the_readme_snippet_runs_as_written():
 def test_device_auto_and_cuda_without_a_gpu(tiny_dir):
     import torch
 
-    from fp8now.loader import load, resolve_device
+    from fp8now.loading.load import load, resolve_device
 
     if torch.cuda.is_available():
         assert resolve_device("auto").type == resolve_device(None).type == "cuda"

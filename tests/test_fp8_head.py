@@ -15,7 +15,7 @@ from torch import nn
 
 import fp8now
 from fp8now import Fp8Config, Fp8Linear, rel_diff
-from fp8now.embedding import Fp8Embedding
+from fp8now.layers.embedding import Fp8Embedding
 from fp8now.export import save
 
 V, H = 512, 192   # tiny.py's vocabulary and hidden size

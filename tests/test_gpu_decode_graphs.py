@@ -1,11 +1,13 @@
-"""GPU checks of the eager decode graphs (fp8now.decode_graphs): replays give the bytes of plain launches
+"""GPU checks of the eager decode graphs (fp8now.layers.decode_graphs): replays give the bytes of plain launches
 on fresh inputs, earlier outputs are not overwritten, in-place reloads keep the graphs valid, and the
 layer launches plainly under torch.compile, inside a caller's CUDA graph capture and for autograd."""
 
 import pytest
 import torch
 
-from fp8now import Fp8Config, Fp8Linear, Scheme, decode_graphs, rel_diff
+from fp8now import Fp8Config, Fp8Linear, Scheme, rel_diff
+
+from fp8now.layers import decode_graphs
 from fp8now.config import ACT_GROUP, WEIGHT_GROUP
 from fp8now.numerics import quantize_activation
 from fp8_oracle import exact_product, varied

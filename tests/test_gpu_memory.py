@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fp8now import Fp8Config
-from fp8now.loader import load
+from fp8now.loading.load import load
 from tiny import save_checkpoint
 
 pytestmark = [

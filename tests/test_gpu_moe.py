@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fp8now import Fp8Config, rel_diff
-from fp8now.moe import Fp8Experts
+from fp8now.layers.moe import Fp8Experts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                    reason="needs a CUDA GPU (run through the device tool)")]

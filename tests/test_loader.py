@@ -12,7 +12,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from fp8now import Fp8Config, Fp8Linear, quantize_weight
-from fp8now.loader import load, quantize_
+from fp8now import load, quantize_
 from tiny import FAMILIES, save_checkpoint, tiny_model, unique_state_dict, write_tiny_checkpoint
 
 SCHEMES = ("tensor", "channel", "block")
@@ -219,7 +219,8 @@ def test_moe_targets_shared_experts_not_routers():
     """MoE blocks: shared-expert linears are quantized; router / shared-expert gates are left alone."""
     from transformers import AutoConfig
 
-    from fp8now.hf import parameters_on_meta, target_linears
+    from fp8now.hf.meta import parameters_on_meta
+    from fp8now.hf.modules import target_linears
 
     config = AutoConfig.for_model("qwen2_moe", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256,

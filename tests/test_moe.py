@@ -5,7 +5,7 @@ import torch
 
 from fp8now import Fp8Config, dequantize, quantize_activation, quantize_weight, rel_diff
 from fp8now.config import WEIGHT_GROUP, Scheme
-from fp8now.moe import Fp8Experts
+from fp8now.layers.moe import Fp8Experts
 
 SCHEMES = ("tensor", "channel", "block")
 

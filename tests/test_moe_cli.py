@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from moe_tiny import save_moe
 
-from fp8now.output import SCHEMA_KEYS
+from fp8now.cli.output import SCHEMA_KEYS
 from test_evaluate import save_byte_tokenizer
 from test_models import embedded_model_dir, needs_gguf
 
@@ -29,7 +29,7 @@ def mixtral(tmp_path_factory):
 
 
 def fp8now(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "fp8now.cli", *args, "--device", "cpu"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "fp8now", *args, "--device", "cpu"], capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     return proc

@@ -10,10 +10,10 @@ import torch
 
 import fp8now
 from fp8now import Fp8Config, dequantize, rel_diff
-from fp8now import cpu_quantizer
+from fp8now.layers import cpu_quantizer
 from fp8now.config import WEIGHT_GROUP, Scheme
-from fp8now.moe import Fp8Experts
-from fp8now.moe_cpu import gemm
+from fp8now.layers.moe import Fp8Experts
+from fp8now.layers.moe_cpu import gemm
 from fp8_oracle import varied
 from moe_tiny import save_moe
 from test_moe import SCHEMES, _weights

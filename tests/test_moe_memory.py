@@ -25,8 +25,8 @@ SLACK = 64 * MIB                      # the allocator and the interpreter
 PROBE = textwrap.dedent("""
     import json, sys
     from fp8now import Fp8Config
-    from fp8now.loader import load
-    from fp8now.moe_load import ExpertsLoad
+    from fp8now.loading.load import load
+    from fp8now.loading.experts import ExpertsLoad
 
     def status(key):
         for line in open("/proc/self/status"):

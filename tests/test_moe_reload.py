@@ -8,7 +8,7 @@ from test_moe_hf import assert_each_expert_quantized_alone
 
 import fp8now
 from fp8now import Fp8Config, Fp8Experts
-from fp8now.reload import reload_weights
+from fp8now.loading.reload import reload_weights
 from test_reload import changed, snapshot
 
 # (family, scheme): per-expert names (Qwen3-MoE), Mixtral's renamed w1/w3/w2, GPT-OSS's fused

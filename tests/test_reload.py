@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from fp8now import Fp8Config, Fp8Linear, quantize_weight
-from fp8now.loader import load
-from fp8now.reload import reload_weights
+from fp8now.loading.load import load
+from fp8now.loading.reload import reload_weights
 from tiny import write_tiny_checkpoint
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8now.loader import load
+from fp8now.loading.load import load
 from tiny import write_tiny_checkpoint
 
 from test_evaluate import save_byte_tokenizer
@@ -49,7 +49,7 @@ def custom_tokenizer(tmp_path) -> Path:
 def cli(*args: str) -> subprocess.CompletedProcess:
     """The real `fp8now` command, with "y" answered to any question it might ask."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run([sys.executable, "-m", "fp8now.cli", *args], input="y\n" * 5, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "fp8now", *args], input="y\n" * 5, capture_output=True,
                           text=True, env=env, timeout=300)
 
 

@@ -9,9 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fp8now import Fp8Config, Fp8Linear, models
-from fp8now.loader import load
-from fp8now.reload import reload_weights
+from fp8now import Fp8Config, Fp8Linear
+
+from fp8now.hf import models
+from fp8now.loading.load import load
+from fp8now.loading.reload import reload_weights
 from tiny import save_checkpoint, write_tiny_checkpoint
 
 from test_models import needs_gguf

@@ -22,7 +22,7 @@ MIB = 1 << 20
 PROBE = textwrap.dedent("""
     import json, sys
     from fp8now import Fp8Config
-    from fp8now.loader import load
+    from fp8now.loading.load import load
 
     def status(key):
         for line in open("/proc/self/status"):
@@ -66,7 +66,8 @@ def test_load_peak_rss_and_no_file_mapping(tmp_path):
 
 TRIM_PROBE = textwrap.dedent("""
     import ctypes, json, sys
-    from fp8now import Fp8Config, loader
+    from fp8now import Fp8Config
+    from fp8now.loading import load as loader, sinks
 
     def rss():
         for line in open("/proc/self/status"):
@@ -74,7 +75,7 @@ TRIM_PROBE = textwrap.dedent("""
                 return int(line.split()[1]) * 1024
 
     if sys.argv[2] == "untrimmed":
-        loader._trim_heap = lambda: None                 # the control: the load trims nothing
+        sinks.trim_heap = lambda: None                   # the control: the load trims nothing
     model, report = loader.load(sys.argv[1], Fp8Config(), device="cpu", measure_error=False)  # kept alive
     before = rss()
     ctypes.CDLL(None).malloc_trim(0)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fp8now import Fp8Config
-from fp8now.loader import load
+from fp8now.loading.load import load
 from tiny import write_tiny_checkpoint
 
 LOADERS = 4

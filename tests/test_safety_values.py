@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from fp8now import Fp8Config
-from fp8now.loader import load
-from fp8now.reload import reload_weights
+from fp8now.loading.load import load
+from fp8now.loading.reload import reload_weights
 from tiny import save_checkpoint, write_tiny_checkpoint
 
 Q0, Q1 = "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"

@@ -8,8 +8,8 @@ import torch
 
 from fp8now import Fp8Config, Fp8Linear
 from fp8now.kernels import cpu
-from fp8now.loader import load
-from fp8now.shared_input import InputMemo, share_inputs
+from fp8now.loading.load import load
+from fp8now.layers.shared_input import InputMemo, share_inputs
 from fp8_oracle import varied
 from tiny import write_tiny_checkpoint
 

@@ -16,12 +16,12 @@ import torch.multiprocessing as mp
 
 import fp8now
 from fp8now import Fp8Config
-from fp8now.hf import build_skeleton
+from fp8now.hf.skeleton import build_skeleton
 from fp8now.numerics import rel_diff
 from tiny import tiny_model
 from tp_worker import IDS, layer_bytes, run
 
-# Which weight dim the Llama/Qwen2 plans split (independent of fp8now.tp's table).
+# Which weight dim the Llama/Qwen2 plans split (independent of fp8now.parallel.shard's table).
 SPLIT_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0, "o_proj": 1, "down_proj": 1}
 # Sizes where every shard at TP=2 and TP=4 falls on 128: 8 heads of 64, 8 key/value heads.
 FAMILIES = ("phi3", "gemma", "qwen3")
@@ -171,7 +171,7 @@ def test_failing_rank_stops_the_others(tmp_path):
 def test_plan_errors_without_processes(tmp_path):
     """No process group, an unknown style, a style on a parameter: clear errors, nothing loaded
     (the MoE experts' plan errors are in test_tp_moe.py)."""
-    from fp8now.tp_plan import resolve_plan
+    from fp8now.parallel.plan import resolve_plan
 
     ckpt = _save(tmp_path / "ckpt", "llama")
     with pytest.raises(RuntimeError, match="torchrun"):

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 import fp8now
 from fp8now import Fp8Config
-from fp8now.moe import Fp8Experts
+from fp8now.layers.moe import Fp8Experts
 from fp8now.numerics import rel_diff
 from moe_tiny import save_moe
 from tiny import tiny_model
@@ -238,7 +238,7 @@ def test_mixtral_four_ranks(tmp_path):
 
 def _meta_model(family: str):
     """The CausalLM of a tiny config on the meta device, its experts swapped for meta Fp8Experts."""
-    from fp8now.moe_load import ExpertsLoad
+    from fp8now.loading.experts import ExpertsLoad
     from moe_tiny import moe_config
     from transformers import AutoModelForCausalLM
 
@@ -251,8 +251,8 @@ def test_experts_plan_errors_without_processes(tmp_path):
     """moe_parallel's values, plan dicts that contradict it or themselves, unknown expert styles, experts
     that do not split evenly: clear errors naming what to change. Placement: transformers' plan where
     the family has one (Shard(0)), else the same even contiguous split."""
-    from fp8now.tp_moe import _split, experts_mode
-    from fp8now.tp_plan import resolve_plan
+    from fp8now.parallel.experts import _split, experts_mode
+    from fp8now.parallel.plan import resolve_plan
 
     model, load = _meta_model("qwen3_moe")
     names = list(load.layers)

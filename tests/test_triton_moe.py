@@ -19,8 +19,8 @@ from fp8now.kernels import plan as kp, triton_quant as tq  # noqa: E402
 from fp8now.kernels.moe_align import align, align_triton, max_blocks  # noqa: E402
 from fp8now.kernels.triton_moe import available, experts_forward, moe_gemm  # noqa: E402
 from fp8now.kernels.triton_moe_act import gated_quant  # noqa: E402
-from fp8now.moe import Fp8Experts  # noqa: E402
-from fp8now.moe_triton import expert_gate, expert_weights, pack, unpack  # noqa: E402
+from fp8now.layers.moe import Fp8Experts  # noqa: E402
+from fp8now.layers.moe_triton import expert_gate, expert_weights, pack, unpack  # noqa: E402
 from fp8_oracle import exact_product  # noqa: E402
 from test_triton_quant import assert_fp8_equal, precast  # noqa: E402
 

@@ -78,14 +78,14 @@ def record_reads(log: list) -> None:
 
 
 def layer_bytes(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    from fp8now.linear import Fp8Linear
+    from fp8now.layers.linear import Fp8Linear
     return {n: (m.weight.view(torch.uint8).clone(), m.weight_scale.clone())
             for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
 
 
 def experts_bytes(model) -> dict[str, tuple[torch.Tensor, ...]]:
     """Each FP8 experts layer's (w13 bytes, w13_scale, w2 bytes, w2_scale)."""
-    from fp8now.moe import Fp8Experts
+    from fp8now.layers.moe import Fp8Experts
     return {n: (m.w13.view(torch.uint8).clone(), m.w13_scale.clone(), m.w2.view(torch.uint8).clone(),
                 m.w2_scale.clone()) for n, m in model.named_modules() if isinstance(m, Fp8Experts)}
 

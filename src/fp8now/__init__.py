@@ -2,11 +2,11 @@
 
 from .config import Fp8Config, Scheme
 from .export import save
-from .linear import Fp8Linear
-from .moe import Fp8Experts
-from .loader import load
-from .quantize import quantize_
-from .reload import reload_weights
+from .layers.linear import Fp8Linear
+from .layers.moe import Fp8Experts
+from .loading.load import load
+from .loading.quantize import quantize_
+from .loading.reload import reload_weights
 from .numerics import dequantize, quantize_activation, quantize_weight, rel_diff, sqnr
 from .report import LoadReport
 
@@ -19,7 +19,7 @@ __all__ = [
 def __getattr__(name: str):
     """`TransformersConfig` imports transformers and registers fp8now with it: done on first use only."""
     if name == "TransformersConfig":
-        from .door import TransformersConfig
+        from .hf.door import TransformersConfig
 
         return TransformersConfig
     raise AttributeError(f"module 'fp8now' has no attribute {name!r}")

@@ -1,5 +1,5 @@
 """`python -m fp8now ...` runs the CLI."""
 
-from .cli import main
+from .cli.main import main
 
 raise SystemExit(main())

@@ -136,7 +136,7 @@ class Fp8Config:
     head: quantize the output head (`get_output_embeddings()`, normally `lm_head`) like a block linear:
         an Fp8Linear of `scheme` with dynamic FP8 activations. Off: kept in the model dtype.
     embedding: store the input embedding (`get_input_embeddings()`) as FP8 rows, one float32 scale per
-        row (fp8now.embedding.Fp8Embedding; weight-only: lookups return the model dtype). Off: kept in
+        row (fp8now.layers.embedding.Fp8Embedding; weight-only: lookups return the model dtype). Off: kept in
         the model dtype. With tied word embeddings the head's weight is the embedding: pass both or
         neither (one FP8 copy then serves both; loading refuses one without the other).
     backend: "auto" (the dispatch table) or a forced backend name.
@@ -144,7 +144,7 @@ class Fp8Config:
     activation: "auto", or force per-"token" / per-"tensor" activation scales where the scheme allows
         (MoE experts keep per-token scales under "tensor": their tokens must not share a scale).
     decode_graphs: on the triton backend, replay eager calls with M <= 256 from per-layer CUDA graphs
-        (fp8now.decode_graphs: same bytes, a fraction of the host time); False launches every call.
+        (fp8now.layers.decode_graphs: same bytes, a fraction of the host time); False launches every call.
     tp_invariant: under tensor parallelism, reduce row-parallel inputs' per-token amax over the TP
         group (MAX) before quantizing, so the logits equal TP=1 up to summation order (SPEC §6).
     fast_accum: tensor and channel GEMMs keep the whole K in the FP8 tensor cores' own accumulator

@@ -17,15 +17,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import INDEX_NAME, SINGLE_NAME
-from .ckpt_names import checkpoint_module_names, to_checkpoint_names
+from .loading.files import INDEX_NAME, SINGLE_NAME
+from .hf.names import checkpoint_module_names, to_checkpoint_names
 from .config import Fp8Config
-from .formats import SCALE_LEAF, check_expressible, check_format, quantization_config
-from .embedding import Fp8Embedding
-from .linear import Fp8Linear
-from .models import STAMP_FILE, chmod_files
-from .moe import Fp8Experts
-from .moe_files import expert_modules, expert_tensors
+from .loading.formats import SCALE_LEAF, check_expressible, check_format, quantization_config
+from .layers.embedding import Fp8Embedding
+from .layers.linear import Fp8Linear
+from .hf.models import STAMP_FILE, chmod_files
+from .layers.moe import Fp8Experts
+from .loading.expert_files import expert_modules, expert_tensors
 
 MAX_SHARD_BYTES = 5 * 10**9
 # Files of a checkpoint folder that are weights, rewritten here or fp8now's own; everything else (tokenizer,
@@ -247,7 +247,7 @@ def quantize(model_dir: str | Path, out_dir: str | Path, config: Fp8Config | Non
              max_shard_bytes: int = MAX_SHARD_BYTES):
     """Quantize a bf16 checkpoint while loading it (fp8now.load) and save it in `format`: returns
     (out_dir, load report). The format is checked against the scheme before anything is loaded."""
-    from .loader import load
+    from .loading.load import load
 
     config = config or Fp8Config()
     fmt = check_export(config, format, out_dir)

@@ -122,7 +122,7 @@ def quantize_weight(w: torch.Tensor, scheme: Scheme, name: str | None = None
     """Weight quantization at load: the Triton kernel on FP8-capable GPUs (memory speed, same bytes
     as `numerics.quantize_weight`), the chunked torch implementation elsewhere."""
     if w.device.type == "cuda" and device_class(w.device) == "cuda-fp8":
-        from . import triton_quant, triton_wquant   # importable without triton (`available` then says why)
+        from . import triton_quant, triton_wquant  # importable without triton (`available` then says why)
         if triton_quant.available(w.device) is None:
             if not bool(triton_wquant.weight_all_finite(w)):  # one sync per layer, at load only
                 raise numerics.nonfinite_error(tuple(w.shape), name)

@@ -1,0 +1,59 @@
+"""A transformers model's skeleton from a checkpoint folder's config.json: its parameters on the meta device
+(zero bytes), its buffers real; clear errors for a missing, unreadable or unsupported config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .custom_code import load_config
+from .meta import ThreadDefaultDtype, parameters_on_meta
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+def read_config(model_dir: Path) -> PretrainedConfig:
+    """The transformers config of a checkpoint folder; clear errors for a missing/odd config.json."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    path = model_dir / "config.json"
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model folder {model_dir} does not exist or is not a folder")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: a Hugging Face checkpoint folder needs config.json "
+                                "next to its *.safetensors files")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} cannot be read as JSON ({e}); re-download it") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if not model_type:
+        raise ValueError(f"{path} has no 'model_type'; fp8now needs a transformers model config")
+    if model_type not in CONFIG_MAPPING:
+        hint = " (it uses custom code via auto_map, which fp8now does not run)" if "auto_map" in raw else ""
+        raise ValueError(f"{path}: model_type {model_type!r} is not known to the installed transformers"
+                         f"{hint}; upgrade transformers or use a supported architecture")
+    return load_config(model_dir)
+
+
+def build_skeleton(model_dir: Path, dtype: torch.dtype) -> nn.Module:
+    """The CausalLM of `model_dir/config.json` with parameters on meta and real buffers (CPU)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = read_config(model_dir)
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        archs = ", ".join(getattr(config, "architectures", None) or []) or "none listed"
+        raise ValueError(f"{model_dir / 'config.json'}: model_type {config.model_type!r} (architectures: "
+                         f"{archs}) has no causal-LM class in transformers; fp8now loads decoder LLMs")
+    with parameters_on_meta(), ThreadDefaultDtype(dtype):
+        model = AutoModelForCausalLM.from_config(config, dtype=None)  # None: no torch.set_default_dtype
+    config.dtype = dtype
+    if getattr(config, "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model

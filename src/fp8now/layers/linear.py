@@ -1,0 +1,247 @@
+"""Fp8Linear: an nn.Linear whose weight is stored in FP8 and whose input is quantized on every call."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from . import decode_graphs
+from .. import numerics
+from ..config import Fp8Config, Scheme
+from ..kernels import backend_module, device_class, pick_backend, quantize_weight, workspace
+from ..kernels.plan import Path, Table, Weights, plan
+from ..numerics import E4M3FN
+
+_PATHS_KEPT = 512   # distinct M whose planned path a layer remembers (eager calls)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz)
+_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # quantized from these
+
+
+def weight_scale_shape(scheme: Scheme, n: int, k: int) -> tuple[int, ...]:
+    """Scale shape of an `[N, K]` weight (SPEC §3)."""
+    match scheme:
+        case Scheme.TENSOR:
+            return ()
+        case Scheme.CHANNEL:
+            return (n, 1)
+        case Scheme.BLOCK:
+            return (math.ceil(n / 128), math.ceil(k / 128))
+    raise ValueError(scheme)
+
+
+def check_float_weight(w: torch.Tensor, name: str, shape: tuple[int, ...]) -> None:
+    """A weight to quantize must be bf16/fp16/fp32/fp64 of the expected shape; say what it is otherwise."""
+    if w.dtype in _FP8_DTYPES:
+        raise ValueError(
+            f"{name or 'weight'} is already quantized ({w.dtype}, FP8); fp8now quantizes bf16/fp16/fp32/fp64 "
+            "checkpoints while loading. Loading a pre-quantized checkpoint is a different path: "
+            "fp8now.load reads one as it is when its config.json has a quantization_config "
+            "(compressed-tensors or fp8); otherwise use the original bf16 checkpoint here")
+    if w.dtype not in _WEIGHT_DTYPES:
+        kind = "a float format fp8now does not read" if w.is_floating_point() else (
+            "booleans" if w.dtype == torch.bool else "integers (packed weights of an integer-quantized "
+            "checkpoint, or not a weight at all)")
+        raise ValueError(f"{name or 'weight'} has dtype {w.dtype}: {kind}; fp8now quantizes bf16, fp16, "
+                         "fp32 or fp64 weights: use the original unquantized checkpoint")
+    if tuple(w.shape) != tuple(shape):
+        raise ValueError(f"{name or 'weight'} has shape {tuple(w.shape)}, expected {tuple(shape)}")
+
+
+def keep_fp8_on_apply(fn, tensors):
+    """`fn` of `nn.Module._apply` that only moves `tensors` (FP8 bytes, float32 scales), never casts them."""
+    keep = {id(t) for t in tensors}
+
+    def guarded(t: torch.Tensor) -> torch.Tensor:
+        if id(t) in keep:
+            return t.to(fn(t.reshape(-1)[:0]).device)
+        return fn(t)
+    return guarded
+
+
+class Fp8Linear(nn.Module):
+    """`y = x @ W.T + b` with `W` in FP8 (`weight` [N, K], `weight_scale` float32), `x` quantized per call.
+
+    Build one from an `nn.Linear` with `Fp8Linear.from_linear(linear, config)`, or empty (e.g. on the
+    meta device) with `Fp8Linear(in_features, out_features, bias, config, device="meta")` and fill it
+    later with `load_(w, b)`. The backend is chosen when the weight arrives, from the table in
+    `fp8now.kernels`, and shown by `repr`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 config: Fp8Config | None = None, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.bfloat16, name: str = "") -> None:
+        super().__init__()
+        config = config or Fp8Config()
+        self.in_features, self.out_features = in_features, out_features
+        self.scheme: Scheme = config.scheme
+        self.act_kind: str = config.act_kind(config.scheme)
+        self.forced_backend: str = config.backend
+        self.batch_invariant: bool = config.batch_invariant
+        self.fast_accum: bool = config.fast_accum
+        self.use_decode_graphs: bool = config.decode_graphs
+        self._graphs: decode_graphs.DecodeGraphs | None = None
+        self._graph_rows = 0
+        self.name = name
+        self.backend: str | None = None
+        self._impl = None
+        self._device_class = "cpu"
+        self._paths: dict[int, Path] = {}   # eager calls: the plan by M
+        self.plan_table: Table | None = None   # None: the device class's (kernels.plan.TABLES); see use_table
+        shape = weight_scale_shape(self.scheme, out_features, in_features)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=E4M3FN.dtype,
+                                               device=device), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(shape, dtype=torch.float32, device=device),
+                                         requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
+                                  requires_grad=False) if bias else None)
+        # Scratch of the backend's calls (its `workspace` hook; e.g. the decode kernel's counters, back to
+        # their start values after every call; not saved). The same layer must not run on two streams at once.
+        self.register_buffer("workspace", None, persistent=False)
+        # State a backend derives from the FP8 bytes (its `prepare` hook: the cpu backend's bf16 working
+        # copy). A plain attribute: not in state_dict, not moved by `.to()`; rebuilt on every load_.
+        self._work: torch.Tensor | None = None
+        # Set by `shared_input.share_inputs`: one activation quantization for siblings reading one input.
+        self.input_memo = None
+        # Set by `cpu_quantizer.install`: the cpu backend's compiled activation quantizer (None: torch ops).
+        self.act_quantizer = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: Fp8Config | None = None, name: str = ""
+                    ) -> Fp8Linear:
+        """Quantize an existing `nn.Linear` (its weight's device becomes the layer's device)."""
+        w = linear.weight.detach()
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, config,
+                    device="meta", dtype=w.dtype, name=name)
+        layer.load_(w, None if linear.bias is None else linear.bias.detach())
+        return layer
+
+    @property
+    def is_loaded(self) -> bool:
+        return self.backend is not None
+
+    def load_(self, w: torch.Tensor, bias: torch.Tensor | None = None,
+              amax: torch.Tensor | None = None) -> None:
+        """Quantize a float weight `[N, K]` into this layer, in place when storage exists.
+
+        On the meta device, storage is created on `w.device`; otherwise `w` is moved to the layer's
+        device and the results are copied into the existing tensors (same objects, same data_ptr).
+        `amax` (numerics.weight_amax's shape): the scale groups' amax to use instead of measuring
+        it, e.g. the MAX over a tensor-parallel group (SPEC §6).
+        """
+        check_float_weight(w, self.name, (self.out_features, self.in_features))
+        device = w.device if self.weight.is_meta else self.weight.device
+        w = w.to(device)
+        if amax is None:
+            q, s = quantize_weight(w, self.scheme, name=self.name or None)
+        else:
+            q, s = numerics.quantize_weight(w, self.scheme, name=self.name or None, amax=amax)
+        if self.weight.is_meta:
+            self.weight = nn.Parameter(q, requires_grad=False)
+            self.weight_scale = nn.Parameter(s.reshape(self.weight_scale.shape), requires_grad=False)
+        else:
+            self.weight.data.copy_(q)
+            self.weight_scale.data.copy_(s.reshape(self.weight_scale.shape))
+        if self.bias is not None:
+            if bias is None:
+                raise ValueError(f"{self.name or 'layer'} expects a bias of shape ({self.out_features},)")
+            check_float_weight(bias, f"{self.name}.bias", (self.out_features,))
+            if self.bias.is_meta:
+                self.bias = nn.Parameter(bias.to(device=device, dtype=self.bias.dtype).clone(),
+                                         requires_grad=False)
+            else:
+                self.bias.data.copy_(bias)
+        if self.backend is None or self._impl is None:
+            self.pick_backend()
+        else:
+            self._prepare()
+
+    def pick_backend(self) -> str:
+        """(Re)choose the backend for the layer's current device; call again after moving it."""
+        self.backend = pick_backend(self.weight.device, self.scheme, self.act_kind, self.out_features,
+                                    self.in_features, self.forced_backend, self.batch_invariant, self.fast_accum)
+        self._impl = backend_module(self.backend)
+        self._device_class = device_class(self.weight.device)
+        self._paths = {}
+        self.workspace = workspace(self.backend, self.weight.device, self.scheme, self.act_kind,
+                                   self.out_features, self.in_features, self.batch_invariant, self.plan_table)
+        graphed = getattr(self._impl, "GRAPHED", False) and self.use_decode_graphs
+        self._graph_rows = decode_graphs.max_rows(self.out_features, self.in_features) if graphed else 0
+        self._graphs = decode_graphs.DecodeGraphs() if self._graph_rows else None
+        self._work = None
+        self._prepare()
+        return self.backend
+
+    def path(self, m: int, compiling: bool = False) -> Path:
+        """The kernel path of a call with `m` tokens (`kernels.plan.plan` for this layer)."""
+        if self.backend is None:
+            raise RuntimeError(f"Fp8Linear {self.name or ''} has no weight yet: call load_(w) first")
+        return plan(self.backend, self.scheme, self.act_kind, m, self.out_features, self.in_features,
+                    self._device_class, self.batch_invariant, compiling, self.plan_table, self.fast_accum)
+
+    def use_table(self, table: Table | None) -> None:
+        """Plan this layer's calls from `table` (None: the device class's), e.g. to test or tune a path."""
+        self.plan_table = table
+        if self.backend is not None:
+            self.pick_backend()
+
+    def _prepare(self) -> None:
+        """(Re)build the backend's derived state from the current FP8 bytes, in place when it exists."""
+        prepare = getattr(self._impl, "prepare", None)
+        if prepare is not None:
+            with torch.no_grad():
+                self._work = prepare(self.weight, self.weight_scale, self.scheme, self._work)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._impl is None:
+            raise RuntimeError(f"Fp8Linear {self.name or ''} has no weight yet: call load_(w) first")
+        x2 = x.reshape(-1, self.in_features)
+        if 0 < x2.shape[0] <= self._graph_rows and decode_graphs.usable(x2):   # rows > 0: _graphs is set
+            y = self._graphs.run(x2, self._launch, self.out_features, self._addresses())
+        else:
+            y = self._launch(x2, x)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _launch(self, x2: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
+        """The backend's linear on x2 [M, K] -> [M, N], along this call's planned path."""
+        m = x2.shape[0]
+        if torch.compiler.is_compiling():
+            path = self.path(m, compiling=True)
+        else:
+            path = self._paths.get(m)
+            if path is None:
+                path = self.path(m)
+                if len(self._paths) < _PATHS_KEPT:
+                    self._paths[m] = path
+        weights = Weights(self.weight, self.weight_scale, self.bias,
+                          self.workspace if self._work is None else self._work)
+        widen = getattr(self._impl, "widened_activation", None)   # the cpu backend's hook
+        if widen is None:
+            return self._impl.linear(x2, weights, path)
+        if self.input_memo is not None and x is not None and not torch.compiler.is_compiling():
+            x_w = self.input_memo.widened(x, lambda: widen(x2, path.act, self.act_quantizer))
+        else:
+            x_w = widen(x2, path.act, self.act_quantizer)
+        return self._impl.linear(x2, weights, path, x_w)
+
+    def _addresses(self) -> tuple[int, ...]:
+        """Where the tensors a captured call reads live (a graph is valid while these stay)."""
+        return (self.weight.data_ptr(), self.weight_scale.data_ptr(),
+                0 if self.bias is None else self.bias.data_ptr(),
+                0 if self.workspace is None else self.workspace.data_ptr())
+
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype)` / `.half()` must not touch the FP8 weight or its float32 scale: move them only."""
+        before = self.weight.device
+        out = super()._apply(keep_fp8_on_apply(fn, (self.weight, self.weight_scale)), recurse)
+        if self._impl is not None and self.weight.device != before:
+            self.pick_backend()
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, scheme={self.scheme.value}, act={self.act_kind}, "
+                f"backend={self.backend or 'unloaded'}"
+                + (", batch_invariant=True" if self.batch_invariant else "")
+                + (", fast_accum=True" if self.fast_accum else ""))

@@ -1,0 +1,76 @@
+"""How far a quantized weight is from its float original: SQNR, rel_diff, and the nonzero weights that
+quantized to zero (overall and in the worst scale group), for the load report."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import WEIGHT_GROUP, Scheme
+from ..numerics import dequantize
+
+_STATS_CHUNK_BYTES = 4 << 20  # float64 bytes per chunk when measuring the weight error
+# Same-size integer views and sign masks: `x & mask == 0` finds +0 and -0 of any float without a cast.
+_INT_VIEW = {1: (torch.uint8, 0x7F), 2: (torch.int16, 0x7FFF), 4: (torch.int32, 0x7FFFFFFF)}
+
+
+def _is_zero(t: torch.Tensor) -> torch.Tensor:
+    """Bool mask of the zeros (either sign) of a float tensor, read from its bits."""
+    if t.element_size() not in _INT_VIEW:
+        return t == 0
+    dtype, mask = _INT_VIEW[t.element_size()]
+    return (t.view(dtype) & mask) == 0
+
+
+def _group_counts(mask: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    """Count of True per scale group of the rows `mask` [r, K] covers (block rows start on a tile)."""
+    match scheme:
+        case Scheme.TENSOR:
+            return torch.count_nonzero(mask).reshape(1)
+        case Scheme.CHANNEL:
+            return torch.count_nonzero(mask, dim=1)
+    m = torch.nn.functional.pad(mask.to(torch.int32), (0, -mask.shape[1] % 128, 0, -mask.shape[0] % 128))
+    return m.reshape(m.shape[0] // 128, 128, m.shape[1] // 128, 128).sum((1, 3)).flatten()
+
+
+def weight_error(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: Scheme
+                 ) -> tuple[float, float, float, float]:
+    """(SQNR dB, rel_diff, zero_flushed, worst_group_flushed) of `dequantize(q, scale)` against `w`
+    `[N, K]`: sums in float64 (float32 squares overflow past 1.8e19), in row chunks of ~4 MiB so the
+    temporaries stay small whatever the layer size; one host sync per layer."""
+    rows, cols = w.shape
+    group = WEIGHT_GROUP[scheme]
+    align = 128 if scheme is Scheme.BLOCK else 1
+    step = max(_STATS_CHUNK_BYTES // (8 * max(cols, 1)) // align * align, align)
+    # |a|², |b|², <a,b>, |a-b|², flushed, nonzero, worst group fraction (tensor: from the totals)
+    acc = torch.zeros(7, dtype=torch.float64, device=w.device)
+    for r in range(0, rows, step):
+        wc, qc = w[r:r + step], q[r:r + step]
+        a = wc.double().reshape(-1)
+        match scheme:
+            case Scheme.TENSOR:
+                b = qc.double() * scale.double().reshape(1, 1)
+            case Scheme.CHANNEL:
+                b = qc.double() * scale.double().reshape(-1, 1)[r:r + step]
+            case Scheme.BLOCK:
+                b = dequantize(qc, scale[r // 128:(r + step + 127) // 128], group).double()
+        b = b.reshape(-1)
+        acc[0] += a @ a
+        acc[1] += b @ b
+        acc[2] += a @ b
+        b.sub_(a)
+        acc[3] += b @ b
+        nonzero = ~_is_zero(wc)
+        f, n = _group_counts(nonzero & _is_zero(qc), scheme), _group_counts(nonzero, scheme)
+        acc[4] += f.sum()
+        acc[5] += n.sum()
+        acc[6] = torch.maximum(acc[6], (f.double() / n.clamp(min=1)).max())
+        del a, b, nonzero
+    aa, bb, ab, noise, n_flushed, n_nonzero, worst = acc.tolist()
+    frac = n_flushed / n_nonzero if n_nonzero else 0.0
+    worst = frac if scheme is Scheme.TENSOR else worst
+    rel = 0.0 if aa + bb == 0 else 1.0 - 2.0 * ab / (aa + bb)
+    if noise == 0.0:
+        return math.inf, rel, frac, worst
+    return (10.0 * math.log10(aa / noise) if aa > 0 else -math.inf), rel, frac, worst

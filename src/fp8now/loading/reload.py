@@ -1,0 +1,82 @@
+"""In-place weight reload for RL refit (SPEC §7): the load pipeline with new tensors in memory as its source
+and the loaded model as its plan; the results are copied into the existing FP8 storage."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from ..layers.finite import check_finite
+from ..report import ReloadReport
+from .pipeline import route_tensors, stream_tensors
+from .plan import plan_loaded
+from .sinks import Sinks
+from .source import TensorSource
+
+WHERE = "reload_weights"
+
+
+def _unknown(slots) -> callable:
+    def refuse(key: str) -> None:
+        example = next(iter(slots), "")
+        raise ValueError(f"reload_weights: {key!r} is not a tensor of this model (names look like "
+                         f"{example!r}); nothing was written for it")
+    return refuse
+
+
+def _applied(sinks: Sinks) -> str:
+    """What an interrupted call had already written, for its error message."""
+    if not sinks.updated and not sinks.copied:
+        return "nothing of this call was applied"
+    parts = [f"FP8 layers {', '.join(sinks.updated)}" if sinks.updated else "",
+             f"tensors {', '.join(sinks.copied)}" if sinks.copied else ""]
+    return "already applied by this call: " + "; ".join(p for p in parts if p)
+
+
+def reload_weights(model: nn.Module,
+                   named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+                   ) -> ReloadReport:
+    """Replace some or all weights of a loaded model in place (SPEC §7, RL refit).
+
+    Names are checkpoint / parameter names. An FP8 layer is re-quantized once its weight (and bias)
+    arrived, and the results are copied into its existing storage: Parameter objects and data_ptr()
+    never change, so captured CUDA graphs stay valid. Other tensors are copied in place. A layer
+    whose weight or bias is missing from this call is not touched and is listed in `report.partial`.
+    An FP8 embedding (Fp8Config(embedding=True)) is re-quantized per row; tied to an FP8 head, its name
+    (`model.embed_tokens.weight`) reloads the head, which the embedding reads.
+    MoE experts take transformers' fused names (`mlp.experts.gate_up_proj`) or the per-expert names
+    of checkpoints (`mlp.experts.3.gate_proj.weight`, Mixtral's `w1/w3/w2`), merged by transformers'
+    own rules; an experts module is re-quantized once all of its experts arrived.
+    A dict or list is all-or-nothing: names, shapes, dtypes and NaN/Inf of every tensor are checked
+    before the first write. A streaming iterable is applied layer by layer, each layer whole or not
+    at all; its error lists exactly what was already applied. Unknown names raise.
+    """
+    start = time.perf_counter()
+    plan = plan_loaded(model)
+    source = TensorSource(named_tensors, WHERE)
+    refuse = _unknown(plan.slots)
+    sinks = Sinks(plan, None, None, False, plain="copy", whole=True, checked=source.known, deferred=False)
+    routed = None
+    if source.known:   # all-or-nothing: every check before the first write
+        routed = route_tensors(plan, source, refuse)
+        try:
+            plan.experts.check_merges(source.tensors(), WHERE)
+            check_finite([(t, f"tensor {key!r}") for key, t in source.items])
+        except ValueError as e:
+            raise ValueError(f"{WHERE}: {e}; nothing of this call was applied") from None
+    try:
+        stream_tensors(plan, source, sinks, refuse, routed)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{e}; {_applied(sinks)}") from None
+    report = ReloadReport(updated_layers=sinks.updated, copied=sinks.copied,
+                          skipped=[key for key, _ in sinks.skipped])
+    for layer_name, parts in sinks.pending.items():
+        layer = plan.slots[f"{layer_name}.weight"].owner
+        needed = ("weight", "bias") if layer.bias is not None else ("weight",)
+        report.partial.append((layer_name, [f"{layer_name}.{leaf}" for leaf in needed if leaf not in parts]))
+    report.partial += [(name, plan.experts.missing(name)) for name in plan.experts.pending]
+    report.seconds = time.perf_counter() - start
+    return report

@@ -1,0 +1,180 @@
+"""What the load pipeline does with each routed tensor. An FP8 layer waits for its weight (and bias), then is
+quantized at once on its device; experts wait for every expert, are merged by transformers' rules, then
+quantized; a pre-quantized layer's bytes are adopted as they are; an FP8 embedding is quantized as it arrives;
+every other tensor is stored as it is: a new parameter of a skeleton, or copied into existing storage."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from ..layers.finite import FiniteCheck, check_finite
+from ..layers.linear import Fp8Linear
+from .route import Dest
+from .rows import embedding_row, layer_row
+from .slots import Slot
+
+# Source weight bytes quantized between heap trims: the freed temporaries of a load are given back as it
+# goes, so they do not pile up into the process peak.
+TRIM_EVERY_BYTES = 32 << 20
+
+
+def trim_heap() -> None:
+    """Give freed heap pages back to the OS (glibc keeps them after a load's many temporaries)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
+def materialize(slot: Slot, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Put a non-quantized tensor on the device (floats in `dtype`, or float32 where the model keeps
+    them so), replacing the meta one. Returns the stored tensor."""
+    if slot.kind == "buffer":
+        old = slot.owner._buffers[slot.leaf]
+        slot.owner._buffers[slot.leaf] = out = t.to(dtype=old.dtype).to(device)
+        return out
+    want = torch.float32 if slot.keep_fp32 else dtype
+    out = t.to(want) if t.is_floating_point() and t.dtype != want else t  # cast on the host
+    param = nn.Parameter(out.to(device), requires_grad=out.is_floating_point())   # as from_pretrained
+    for owner, leaf in [(slot.owner, slot.leaf), *slot.aliases]:
+        owner._parameters[leaf] = param
+    return param
+
+
+class Sinks:
+    """The sinks of one pipeline run over `plan` (loading.plan.Plan).
+
+    `device` / `dtype`: where new tensors go and the dtype of plain float tensors (None: each layer's own device,
+    the tensors' own dtype). `plain`: "store" (new parameters on a skeleton), "copy" (into existing storage, in
+    place) or "keep" (already in place: `quantize_`). `whole`: the tensors are whole under tensor parallelism and
+    are sliced here (in memory; a file reader reads slices). `checked`: NaN/Inf of every tensor were checked
+    before the first write; otherwise plain tensors are checked as they arrive (`deferred`: all at the end)."""
+
+    def __init__(self, plan, device: torch.device | None, dtype: torch.dtype | None, measure: bool, *,
+                 plain: str = "store", whole: bool = False, checked: bool = False, deferred: bool = True) -> None:
+        self.plan, self.device, self.dtype, self.measure = plan, device, dtype, measure
+        self.plain, self.whole, self.checked, self.deferred = plain, whole, checked, deferred
+        self.finite = FiniteCheck()
+        self.rows: list = []                       # report rows of the layers quantized or adopted
+        self.skipped: list[tuple[str, str]] = []   # (key, why) read but not used
+        self.updated: list[str] = []               # FP8 layers and experts written, in order
+        self.copied: list[str] = []                # plain tensors written
+        self.pending: dict[str, dict[str, tuple[torch.Tensor, str, str]]] = {}   # FP8 layer -> leaf -> parts
+        self._since_trim = 0
+
+    def add(self, d: Dest, key: str, t: torch.Tensor | None, where: str) -> None:
+        """Take one tensor routed to `d` (`where`: its file, or the call, for messages)."""
+        if d.kind == "skip":
+            self.skipped.append((key, d.why))
+        elif d.kind == "fp8":
+            self._dense(self.plan.slots[d.name], key, t, where)
+        elif d.kind == "experts":
+            self._experts(d, key, t, where)
+        elif d.kind == "embedding":
+            self._embedding(self.plan.slots[d.name].owner, key, t, where)
+        elif d.kind in ("adopt", "adopt_experts"):
+            row, why = self.plan.adopted.add(d, key, t, where, self.device, self.dtype)
+            if row is not None:
+                self.rows.append(row)
+                self.updated.append(row.name)
+            if why is not None:
+                self.skipped.append((key, why))
+        else:
+            self._plain(self.plan.slots[d.name], d.name, key, t, where)
+
+    def _check(self, t: torch.Tensor, what: str) -> None:
+        """NaN/Inf of a tensor stored as it is: at the end of the run, now, or not again (`checked`)."""
+        if self.checked:
+            return
+        if self.deferred:
+            self.finite.add(t, what)
+        else:
+            check_finite([(t, what)])
+
+    def _dense(self, slot: Slot, key: str, t: torch.Tensor, where: str) -> None:
+        layer = slot.owner
+        assert isinstance(layer, Fp8Linear)
+        parts = self.pending.setdefault(layer.name, {})
+        parts[slot.leaf] = (t, where, key)
+        if "weight" not in parts or (layer.bias is not None and "bias" not in parts):
+            return
+        parts = self.pending.pop(layer.name)
+        w, wwhere, wkey = parts.pop("weight")
+        if self.device is not None:
+            w = w.to(self.device)
+        b = None
+        if "bias" in parts:
+            b, bwhere, bkey = parts.pop("bias")
+            b = b.to(device=self.device or w.device)
+            self._check(b, f"{bwhere}: tensor {bkey!r}")
+        tp = self.plan.tp
+        try:
+            if tp is None:
+                layer.load_(w, b)
+            elif self.whole:
+                tp.reload_layer(layer, w, b)   # slice, then the SPEC §6 scales
+            else:
+                tp.load_layer(layer, w, b)
+        except ValueError as e:
+            raise ValueError(f"{wwhere}: tensor {wkey!r}: {e}") from None
+        self.updated.append(layer.name)
+        if self.plain != "copy":
+            self.rows.append(layer_row(layer, w if self.measure else None))
+        self._since_trim += w.numel() * w.element_size()
+        del w
+        if self._since_trim >= TRIM_EVERY_BYTES and self.plain == "store":
+            trim_heap()
+            self._since_trim = 0
+
+    def _experts(self, d: Dest, key: str, t: torch.Tensor | None, where: str) -> None:
+        experts, layer = self.plan.experts, self.plan.slots[d.name].owner
+        if self.whole and self.plan.tp is not None:   # this rank's part (None: another rank's expert)
+            t = self.plan.tp.moe.local(d.name, key, experts.pattern_of.get(key), t)
+        device = self.device or (t.device if layer.w13.is_meta and t is not None else layer.w13.device)
+        dtype = self.dtype or (layer.w13_bias.dtype if layer.w13_bias is not None else layer.w13.dtype)
+        with torch.no_grad():
+            if experts.add(d.name, key, t, where, device, dtype, self.measure and self.plain != "copy"):
+                self.updated.append(layer.name)
+
+    def _embedding(self, layer, key: str, t: torch.Tensor, where: str) -> None:
+        """An Fp8Embedding's table: quantized per row as it arrives (NaN/Inf raise before anything is written)."""
+        w = t.to(self.device) if self.device is not None else t
+        try:
+            with torch.no_grad():
+                layer.load_(w)
+        except ValueError as e:
+            raise ValueError(f"{where}: tensor {key!r}: {e}") from None
+        self.updated.append(layer.name)
+        if self.plain != "copy":
+            self.rows.append(embedding_row(layer, w if self.measure else None))
+
+    def _plain(self, slot: Slot, name: str, key: str, t: torch.Tensor, where: str) -> None:
+        if self.plain == "keep":
+            return
+        if self.plain == "store":
+            self._check(materialize(slot, t, self.device, self.dtype), f"{where}: tensor {key!r}")
+            return
+        self._check(t, f"{where}: tensor {key!r}")
+        tp = self.plan.tp
+        store = slot.owner._parameters if slot.kind == "param" else slot.owner._buffers
+        with torch.no_grad():
+            store[slot.leaf].copy_(t if tp is None else tp.local(name, t))
+        self.copied.append(name)
+
+    def unfinished(self) -> list[str]:
+        """FP8 layers and experts still waiting for tensors."""
+        plan = self.plan
+        return [*self.pending, *(plan.experts.unfinished() if plan.experts is not None else []),
+                *(plan.adopted.unfinished() if plan.adopted is not None else [])]
+
+    def close(self) -> None:
+        """The end of a whole load: nothing may wait for tensors; the deferred NaN/Inf checks."""
+        left = self.unfinished()
+        if left:   # cannot happen after route_files; a guard against silent partial loads
+            raise RuntimeError(f"layers left incomplete after reading every file: {', '.join(left)}")
+        self.finite.raise_if_bad()
+        if self.plain == "store":
+            trim_heap()
