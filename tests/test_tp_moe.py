@@ -238,13 +238,15 @@ def test_mixtral_four_ranks(tmp_path):
 
 def _meta_model(family: str):
     """The CausalLM of a tiny config on the meta device, its experts swapped for meta Fp8Experts."""
+    from fp8now.hf.experts import swap_experts, target_experts
     from fp8now.loading.experts import ExpertsLoad
     from moe_tiny import moe_config
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(moe_config(family))
-    return model, ExpertsLoad(model, Fp8Config())
+    config = Fp8Config()
+    return model, ExpertsLoad(model, swap_experts(model, target_experts(model, config)[0], config))
 
 
 def test_experts_plan_errors_without_processes(tmp_path):

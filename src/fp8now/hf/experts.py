@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..config import Fp8Config
-from .modules import match_ignore
+from .modules import match_ignore, set_submodule
 from ..layers.moe import Fp8Experts
 
 
@@ -121,3 +121,14 @@ def target_experts(model: nn.Module, config: Fp8Config
             else:
                 ignored.append((name, f"matches ignore pattern {pattern!r}"))
     return targets, ignored
+
+
+def swap_experts(model: nn.Module, targets: dict[str, nn.Module], config: Fp8Config
+                 ) -> dict[str, tuple[Fp8Experts, ExpertsLayout]]:
+    """Replace each target experts module by an empty meta `Fp8Experts` -> {name: (layer, layout)}."""
+    out = {}
+    for name, module in targets.items():
+        layer = empty_fp8_experts(name, module, config, "meta")
+        set_submodule(model, name, layer)
+        out[name] = (layer, layer.hf_layout)
+    return out

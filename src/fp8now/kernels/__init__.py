@@ -117,14 +117,15 @@ def workspace(backend: str, device: torch.device | str, scheme: Scheme, act_kind
     return None if hook is None else hook(torch.device(device), scheme, act_kind, n, k, batch_invariant, table)
 
 
-def quantize_weight(w: torch.Tensor, scheme: Scheme, name: str | None = None
+def quantize_weight(w: torch.Tensor, scheme: Scheme, name: str | None = None, checked: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight quantization at load: the Triton kernel on FP8-capable GPUs (memory speed, same bytes
-    as `numerics.quantize_weight`), the chunked torch implementation elsewhere."""
+    as `numerics.quantize_weight`), the chunked torch implementation elsewhere. `checked`: the caller
+    checked w for NaN/Inf already (a load checks many weights with one host sync)."""
     if w.device.type == "cuda" and device_class(w.device) == "cuda-fp8":
         from . import triton_quant, triton_wquant  # importable without triton (`available` then says why)
         if triton_quant.available(w.device) is None:
-            if not bool(triton_wquant.weight_all_finite(w)):  # one sync per layer, at load only
+            if not checked and not bool(triton_wquant.weight_all_finite(w)):  # one sync per layer
                 raise numerics.nonfinite_error(tuple(w.shape), name)
             return triton_wquant.quantize_weight(w, scheme.value)
     return numerics.quantize_weight(w, scheme, name=name)

@@ -74,6 +74,8 @@ class Fp8Linear(nn.Module):
                  dtype: torch.dtype = torch.bfloat16, name: str = "") -> None:
         super().__init__()
         config = config or Fp8Config()
+        shape = weight_scale_shape(config.scheme, out_features, in_features)
+        self.config = config   # what a tensor-parallel split builds this rank's part with
         self.in_features, self.out_features = in_features, out_features
         self.scheme: Scheme = config.scheme
         self.act_kind: str = config.act_kind(config.scheme)
@@ -89,7 +91,6 @@ class Fp8Linear(nn.Module):
         self._device_class = "cpu"
         self._paths: dict[int, Path] = {}   # eager calls: the plan by M
         self.plan_table: Table | None = None   # None: the device class's (kernels.plan.TABLES); see use_table
-        shape = weight_scale_shape(self.scheme, out_features, in_features)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=E4M3FN.dtype,
                                                device=device), requires_grad=False)
         self.weight_scale = nn.Parameter(torch.empty(shape, dtype=torch.float32, device=device),
@@ -122,19 +123,27 @@ class Fp8Linear(nn.Module):
         return self.backend is not None
 
     def load_(self, w: torch.Tensor, bias: torch.Tensor | None = None,
-              amax: torch.Tensor | None = None) -> None:
+              amax: torch.Tensor | None = None, checked: bool = False) -> None:
         """Quantize a float weight `[N, K]` into this layer, in place when storage exists.
 
         On the meta device, storage is created on `w.device`; otherwise `w` is moved to the layer's
         device and the results are copied into the existing tensors (same objects, same data_ptr).
         `amax` (numerics.weight_amax's shape): the scale groups' amax to use instead of measuring
-        it, e.g. the MAX over a tensor-parallel group (SPEC §6).
+        it, e.g. the MAX over a tensor-parallel group (SPEC §6). Every input is checked before anything
+        is written (the weight's NaN/Inf too, unless `checked`: the caller did, e.g. for many at once).
         """
         check_float_weight(w, self.name, (self.out_features, self.in_features))
+        if self.bias is not None:
+            if bias is None:
+                raise ValueError(f"{self.name or 'layer'} expects a bias of shape ({self.out_features},)")
+            check_float_weight(bias, f"{self.name}.bias", (self.out_features,))
+            if not checked and not bool(torch.isfinite(bias).all()):
+                raise ValueError(f"{self.name or 'layer'}.bias contains NaN or Inf; fix or re-export the weights "
+                                 "(nothing of this layer was written)")
         device = w.device if self.weight.is_meta else self.weight.device
         w = w.to(device)
         if amax is None:
-            q, s = quantize_weight(w, self.scheme, name=self.name or None)
+            q, s = quantize_weight(w, self.scheme, name=self.name or None, checked=checked)
         else:
             q, s = numerics.quantize_weight(w, self.scheme, name=self.name or None, amax=amax)
         if self.weight.is_meta:
@@ -144,9 +153,6 @@ class Fp8Linear(nn.Module):
             self.weight.data.copy_(q)
             self.weight_scale.data.copy_(s.reshape(self.weight_scale.shape))
         if self.bias is not None:
-            if bias is None:
-                raise ValueError(f"{self.name or 'layer'} expects a bias of shape ({self.out_features},)")
-            check_float_weight(bias, f"{self.name}.bias", (self.out_features,))
             if self.bias.is_meta:
                 self.bias = nn.Parameter(bias.to(device=device, dtype=self.bias.dtype).clone(),
                                          requires_grad=False)

@@ -79,6 +79,11 @@ class Fp8Experts(nn.Module):
                              f"valid for experts: {', '.join(EXPERT_BACKENDS)} (or ignore the experts)")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.scheme: Scheme = config.expert_scheme
+        pad = 128 if self.scheme is Scheme.BLOCK else 1
+        self.h_pad, self.i_pad = _round_up(hidden_size, pad), _round_up(intermediate_size, pad)
+        e, hp, ip = num_experts, self.h_pad, self.i_pad
+        scale_shapes = weight_scale_shape(self.scheme, 2 * ip, hp), weight_scale_shape(self.scheme, hp, ip)
+        self.config = config   # what a tensor-parallel split builds this rank's part with
         self.act_kind = expert_act_kind(config)
         self.gate_kind, self.act_fn, self.alpha, self.limit = gate, act_fn, alpha, limit
         self.dense_input = dense_input
@@ -90,9 +95,6 @@ class Fp8Experts(nn.Module):
         self.backend: str | None = None
         self.w13_work = self.w2_work = None   # the cpu backend's bf16 working copies (moe_cpu; not saved)
         self.act_quantizer = None             # its compiled activation quantizer (cpu_quantizer.install)
-        pad = 128 if self.scheme is Scheme.BLOCK else 1
-        self.h_pad, self.i_pad = _round_up(hidden_size, pad), _round_up(intermediate_size, pad)
-        e, hp, ip = num_experts, self.h_pad, self.i_pad
 
         def fp8(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(shape, dtype=E4M3FN.dtype, device=device), requires_grad=False)
@@ -101,8 +103,7 @@ class Fp8Experts(nn.Module):
             return nn.Parameter(torch.empty(shape, dtype=torch.float32, device=device), requires_grad=False)
 
         self.w13, self.w2 = fp8(e, 2 * ip, hp), fp8(e, hp, ip)
-        self.w13_scale = f32(e, *weight_scale_shape(self.scheme, 2 * ip, hp))
-        self.w2_scale = f32(e, *weight_scale_shape(self.scheme, hp, ip))
+        self.w13_scale, self.w2_scale = f32(e, *scale_shapes[0]), f32(e, *scale_shapes[1])
         self.w13_bias = self.w2_bias = None
         if bias:
             self.w13_bias = nn.Parameter(torch.empty(e, 2 * ip, dtype=dtype, device=device), requires_grad=False)

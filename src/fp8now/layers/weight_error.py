@@ -10,7 +10,8 @@ import torch
 from ..config import WEIGHT_GROUP, Scheme
 from ..numerics import dequantize
 
-_STATS_CHUNK_BYTES = 4 << 20  # float64 bytes per chunk when measuring the weight error
+_STATS_CHUNK_BYTES = 4 << 20      # float64 bytes per chunk when measuring the weight error on a CPU
+_DEVICE_CHUNK_BYTES = 256 << 20   # ... and on a GPU
 # Same-size integer views and sign masks: `x & mask == 0` finds +0 and -0 of any float without a cast.
 _INT_VIEW = {1: (torch.uint8, 0x7F), 2: (torch.int16, 0x7FFF), 4: (torch.int32, 0x7FFFFFFF)}
 
@@ -34,16 +35,19 @@ def _group_counts(mask: torch.Tensor, scheme: Scheme) -> torch.Tensor:
     return m.reshape(m.shape[0] // 128, 128, m.shape[1] // 128, 128).sum((1, 3)).flatten()
 
 
-def weight_error(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: Scheme
-                 ) -> tuple[float, float, float, float]:
-    """(SQNR dB, rel_diff, zero_flushed, worst_group_flushed) of `dequantize(q, scale)` against `w`
-    `[N, K]`: sums in float64 (float32 squares overflow past 1.8e19), in row chunks of ~4 MiB so the
-    temporaries stay small whatever the layer size; one host sync per layer."""
+def error_stats(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: Scheme,
+                chunk_bytes: int | None = None) -> torch.Tensor:
+    """float64 [7] on w's device (stacked experts `[E, N, K]`: [E, 7]), no host sync: |a|², |b|², <a,b>,
+    |a-b|², flushed, nonzero, worst group fraction of `dequantize(q, scale)` (b) against `w` (a) `[N, K]`.
+    Sums in float64 (float32 squares overflow past 1.8e19), in row chunks (~4 MiB on a CPU, where they stay
+    in cache; 256 MiB on a GPU, where each chunk is a few launches) so the temporaries stay bounded."""
+    if w.dim() == 3:
+        return torch.stack([error_stats(w[e], q[e], scale[e], scheme, chunk_bytes) for e in range(w.shape[0])])
     rows, cols = w.shape
     group = WEIGHT_GROUP[scheme]
     align = 128 if scheme is Scheme.BLOCK else 1
-    step = max(_STATS_CHUNK_BYTES // (8 * max(cols, 1)) // align * align, align)
-    # |a|², |b|², <a,b>, |a-b|², flushed, nonzero, worst group fraction (tensor: from the totals)
+    chunk = chunk_bytes or (_STATS_CHUNK_BYTES if w.device.type == "cpu" else _DEVICE_CHUNK_BYTES)
+    step = max(chunk // (8 * max(cols, 1)) // align * align, align)
     acc = torch.zeros(7, dtype=torch.float64, device=w.device)
     for r in range(0, rows, step):
         wc, qc = w[r:r + step], q[r:r + step]
@@ -67,10 +71,22 @@ def weight_error(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: 
         acc[5] += n.sum()
         acc[6] = torch.maximum(acc[6], (f.double() / n.clamp(min=1)).max())
         del a, b, nonzero
-    aa, bb, ab, noise, n_flushed, n_nonzero, worst = acc.tolist()
+    return acc
+
+
+def error_figures(stats: list[float], scheme: Scheme) -> tuple[float, float, float, float]:
+    """(SQNR dB, rel_diff, zero_flushed, worst_group_flushed) from `error_stats`' seven sums."""
+    aa, bb, ab, noise, n_flushed, n_nonzero, worst = stats
     frac = n_flushed / n_nonzero if n_nonzero else 0.0
     worst = frac if scheme is Scheme.TENSOR else worst
     rel = 0.0 if aa + bb == 0 else 1.0 - 2.0 * ab / (aa + bb)
     if noise == 0.0:
         return math.inf, rel, frac, worst
     return (10.0 * math.log10(aa / noise) if aa > 0 else -math.inf), rel, frac, worst
+
+
+def weight_error(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: Scheme
+                 ) -> tuple[float, float, float, float]:
+    """(SQNR dB, rel_diff, zero_flushed, worst_group_flushed) of `dequantize(q, scale)` against `w`
+    `[N, K]`; one host sync (a load defers these: `error_stats` now, the figures at its end)."""
+    return error_figures(error_stats(w, q, scale, scheme).tolist(), scheme)

@@ -17,10 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import Fp8Config
-from ..hf.experts import (BIAS_LEAVES, FUSED_LEAVES, ExpertsLayout, empty_fp8_experts, experts_layout, hf_shapes,
-                          hf_to_fused, target_experts)
-from ..hf.modules import set_submodule
+from ..hf.experts import BIAS_LEAVES, FUSED_LEAVES, ExpertsLayout, hf_shapes, hf_to_fused
 from ..layers.finite import NonFiniteExperts
 from ..layers.linear import check_float_weight
 from ..layers.moe import Fp8Experts
@@ -45,25 +42,18 @@ def expert_index(key: str, pattern: str) -> int | None:
 
 
 class ExpertsLoad:
-    """The experts of one `fp8now.load` (swapped to meta `Fp8Experts`) or of one `reload_weights` call
-    (`config=None`: the model's loaded `Fp8Experts`, rewritten in place), fed tensor by tensor."""
+    """The experts of one load (`layers`: swapped to meta `Fp8Experts` by `hf.experts.swap_experts`) or of one
+    `reload_weights` call (None: the model's loaded `Fp8Experts`, rewritten in place), fed tensor by tensor."""
 
-    def __init__(self, model: nn.Module, config: Fp8Config | None, tp=None) -> None:
-        """`tp`: a reload on a tensor-parallel model, the load's `tp_moe.ExpertsTp` (full tensors in, this
-        rank's parts kept)."""
+    def __init__(self, model: nn.Module, layers: dict[str, tuple[Fp8Experts, ExpertsLayout]] | None = None,
+                 tp=None) -> None:
+        """`tp`: a reload on a tensor-parallel model, the load's `parallel.experts.ExpertsTp` (full tensors in,
+        this rank's parts kept)."""
         self.model = model
-        self.layers: dict[str, tuple[Fp8Experts, ExpertsLayout]] = {}
-        self.ignored: list[tuple[str, str]] = []
-        if config is None:
-            self.layers = {name: (m, m.hf_layout) for name, m in model.named_modules()
-                           if isinstance(m, Fp8Experts) and m.hf_layout is not None}
-        else:
-            targets, self.ignored = target_experts(model, config)
-            for name, module in targets.items():
-                layout = experts_layout(name, module)
-                layer = empty_fp8_experts(name, module, config, "meta")
-                set_submodule(model, name, layer)
-                self.layers[name] = (layer, layout)
+        if layers is None:
+            layers = {name: (m, m.hf_layout) for name, m in model.named_modules()
+                      if isinstance(m, Fp8Experts) and m.hf_layout is not None}
+        self.layers = layers
         self.fused = {f"{name}.{leaf}": (name, shape) for name, (layer, layout) in self.layers.items()
                       for leaf, shape in hf_shapes(layer, layout).items()}
         if tp is not None:   # the checkpoint's shapes, not this rank's part
@@ -75,7 +65,7 @@ class ExpertsLoad:
         self.pending: dict[str, dict[str, object]] = {}       # layer -> fused leaf -> tensor or {key: tensor}
         self.rows: list[ExpertsRow] = []
         self._lookup: dict[str, bool] | None = None
-        self.tp = tp     # tp_moe.ExpertsTp under tensor parallelism: which parts to read, how to quantize
+        self.tp = tp     # parallel.experts.ExpertsTp under tensor parallelism: which parts to read, how to quantize
 
     def add_slots(self, slots: dict[str, Slot]) -> None:
         """Replace the swapped layers' own FP8 params in `slots` by the transformers names they load from."""
@@ -140,9 +130,9 @@ class ExpertsLoad:
         return set(self.parts)
 
     def add(self, fused: str, key: str, t: torch.Tensor, path: Path | str, device: torch.device,
-            dtype: torch.dtype, measure: bool) -> bool:
-        """Keep `t` on the host; when the layer of `fused` is complete, quantize it, add its row and
-        return True. `path`: where `t` comes from (its file, or the call), for messages."""
+            dtype: torch.dtype, pending: list | None) -> bool:
+        """Keep `t`; when the layer of `fused` is complete, quantize it, add its row (its error sums into
+        `pending`, when given) and return True. `path`: where `t` comes from (its file, or the call)."""
         name, _ = self.fused[fused]
         leaf = fused.rsplit(".", 1)[1]
         held = self.pending.setdefault(name, {})
@@ -172,7 +162,7 @@ class ExpertsLoad:
                              "re-export the weights (nothing of this experts module was written)") from None
         except ValueError as e:
             raise ValueError(f"{path}: experts {name}: {e}") from None
-        self.rows.append(experts_row(layer, w13, w2, measure))
+        self.rows.append(experts_row(layer, w13, w2, pending))
         return True
 
     def _patterns(self, parts: dict) -> list[str]:

@@ -23,7 +23,7 @@ from ..report import LoadReport
 from .devices import resolve_device
 from .pipeline import finish, stream_files
 from .plan import plan_quantize
-from .prequantized import plan_prequantized, prequantized_config, report_config
+from .prequantized import plan_prequantized, prequantized_config
 from .rows import add_experts, build_report
 from .sinks import Sinks
 from .source import FileSource
@@ -67,21 +67,21 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
                          "for pre-quantized loading yet; load the bf16 checkpoint with tp_plan, or this one "
                          "without it")
     model = build_skeleton(model_dir, dtype)
-    if quantization is None:
-        source = FileSource(model_dir)
-        plan = plan_quantize(model, config, str(model_dir), dtype, tp_plan=tp_plan, tp_group=tp_group,
-                             moe_parallel=moe_parallel)
-        what, shown = str(model_dir), config
-    else:   # FP8 files: adopted as they are
+    if quantization is not None:   # FP8 files: adopted as they are
         rename = model_key(model)
         source = FileSource(model_dir, rename)
         plan, info = plan_prequantized(model, source.headers(), model_dir, quantization, config, rename)
-        what, shown = f"{model_dir} ({info.fmt}, pre-quantized)", report_config(plan)
+        what = f"{model_dir} ({info.fmt}, pre-quantized)"
+    else:
+        source = FileSource(model_dir)
+        plan = plan_quantize(model, config, str(model_dir), dtype, tp_plan=tp_plan, tp_group=tp_group,
+                             moe_parallel=moe_parallel)
+        what = str(model_dir)
     sinks = Sinks(plan, device, dtype, measure_error)
     stream_files(plan, source, sinks)
     finish(model, device, str(model_dir))
     share_inputs(model)
-    report = build_report(model, sinks.rows, plan.ignored, what, device, dtype, shown)
+    report = build_report(model, sinks.rows, plan.ignored, what, device, dtype, plan.scheme)
     report.cpu_quantizer = install_cpu_quantizer(model, dtype)
     add_experts(report, model, plan.experts.rows if plan.experts is not None else plan.adopted.experts.rows)
     report.skipped_tensors = sinks.skipped

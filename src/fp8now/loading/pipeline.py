@@ -24,7 +24,7 @@ def stream_files(plan: Plan, source: FileSource, sinks: Sinks) -> None:
     reads, skipped = route_files(plan.router(), source)
     sinks.skipped += skipped
     names = {where: {key: d.name for key, d in dests.items()} for where, dests in reads.items()}
-    for key, t, where in source.read(names, plan.tp):
+    for key, t, where in source.read(names, sinks.device, plan.tp):
         sinks.add(reads[where][key], key, t, where)
         del t
     sinks.close()

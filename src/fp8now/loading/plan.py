@@ -11,6 +11,7 @@ from torch import nn
 
 from ..config import Fp8Config
 from ..hf.head import prepare as prepare_head
+from ..hf.experts import swap_experts, target_experts
 from ..hf.modules import swap_linears, target_linears
 from ..layers.linear import Fp8Linear
 from ..layers.moe import Fp8Experts
@@ -35,6 +36,7 @@ class Plan:
     adopted: object = None
     explicit: dict[str, Dest] = field(default_factory=dict)
     tp: TpState | None = None
+    scheme: str = ""   # the scheme the report shows (a pre-quantized checkpoint: its first FP8 layer's)
 
     @property
     def prefix(self) -> str:
@@ -60,21 +62,24 @@ def plan_quantize(model: nn.Module, config: Fp8Config, where: str, dtype: torch.
     linears, experts, head and embedding swapped for empty FP8 modules; with `tp_plan`, this rank's parts."""
     prepare_head(model, config, where, dtype, tp=tp_plan is not None)   # head=, embedding=
     targets, ignored = target_linears(model, config)
-    experts = ExpertsLoad(model, config)
-    if not targets and not experts.layers and not already_fp8(model):
+    expert_targets, experts_ignored = target_experts(model, config)
+    if not targets and not expert_targets and not already_fp8(model):
         raise ValueError(f"{where}: nothing to quantize: all {len(ignored)} linear layers are left alone (e.g. "
                          f"{ignored[0] if ignored else 'none found'}); loosen Fp8Config.ignore")
-    swap_linears(model, targets, config, "meta", dtype)
     if moe_parallel is not None and tp_plan is None:
         raise ValueError("moe_parallel splits MoE experts across a tensor-parallel group: pass tp_plan too")
-    tp = None if tp_plan is None else shard(model, tp_plan, config, tp_group, experts.layers, moe_parallel)
+    experts = ExpertsLoad(model, swap_experts(model, expert_targets, config))
+    swap_linears(model, targets, config, "meta", dtype)
+    invariant = config.tp_invariant
+    tp = None if tp_plan is None else shard(model, tp_plan, invariant, tp_group, experts.layers, moe_parallel)
     slots, alias_of, computed = model_slots(model)
     if tp is not None:
         tp.full_shapes_into(slots)
         model._fp8now_tp = tp
         experts.tp = tp.moe
     experts.add_slots(slots)
-    plan = Plan(model, slots, alias_of, computed, ignored + experts.ignored, experts, tp=tp)
+    plan = Plan(model, slots, alias_of, computed, ignored + experts_ignored, experts, tp=tp,
+                scheme=config.scheme.value)
     plan.keep_fp32()
     return plan
 

@@ -167,14 +167,9 @@ def plan_prequantized(model: nn.Module, headers: list[Header], model_dir: Path, 
     explicit = {key: Dest("adopt", name, part=part) for name, (_, parts) in linears.items()
                 for part, key in parts.items()}
     explicit.update({key: Dest("adopt_experts", key) for key in experts.key_of})
-    plan = Plan(model, slots, alias_of, computed, ignored, adopted=Adopted(linears, experts), explicit=explicit)
+    first = (next(iter(linears.values()))[0] if linears else next(iter(experts.layers.values()))[0])
+    plan = Plan(model, slots, alias_of, computed, ignored, adopted=Adopted(linears, experts), explicit=explicit,
+                scheme=first.scheme.value)
     plan.keep_fp32()
     return plan, info
 
-
-def report_config(plan: Plan) -> Fp8Config:
-    """The scheme and activations a report of this plan shows (the first FP8 layer's)."""
-    adopted = plan.adopted
-    first = (next(iter(adopted.linears.values()))[0] if adopted.linears
-             else next(iter(adopted.experts.layers.values()))[0])
-    return Fp8Config(scheme=first.scheme, activation=first.act_kind)

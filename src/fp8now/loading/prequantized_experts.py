@@ -127,7 +127,7 @@ class PrequantizedExperts:
             layer = self.layers[name][0]
             parts = {k: (w, s.reshape(()).expand(w.shape[0], 1)) for k, (w, s) in parts.items()}
         layer.install_(*(t.to(device) for t in stacked(layer, parts)))
-        self.rows.append(experts_row(layer, layer.w13, layer.w2, measure=False))
+        self.rows.append(experts_row(layer, layer.w13, layer.w2, None))
 
     def unfinished(self) -> list[str]:
         return [n for n, (layer, _) in self.layers.items() if not layer.is_loaded]

@@ -1,21 +1,43 @@
-"""Read tensors of a safetensors file with positional reads into memory the caller owns.
+"""Read safetensors tensors with positional reads into memory the load owns: several reads at once (a pool of
+threads, each `os.preadv` into its own part of a tensor), a bounded number of bytes in flight, results in order.
 
-safetensors' own reader maps the file: every page a load reads stays resident (and counts in the
-process's RSS) until the mapping is dropped, and a tensor that is a view of it keeps the file mapped
-for the model's life. Reading each tensor's bytes straight into a fresh tensor needs neither. The
-headers are checked beforehand with safetensors (`scan_headers`); this reads data only.
+safetensors' own reader maps the file: every page a load reads stays resident (and counts in the process's RSS)
+until the mapping is dropped, and a tensor that is a view of it keeps the file mapped for the model's life. A
+positional read into a fresh tensor needs neither. For a GPU the reads land in pinned host buffers that are
+copied to the device asynchronously and reused once their copy is done, so the disk, the page cache and the copy
+engine all stay busy while the device quantizes. The headers are checked beforehand (files.scan_headers); this
+reads data only. A tensor-parallel rank reads its slices with `read_slices` (safetensors' get_slice).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .files import ST_DTYPES, corrupt_error
+
+CHUNK_BYTES = 32 << 20        # one read (and one host-to-device copy) at most
+HOST_IN_FLIGHT = 1 << 30      # host bytes read ahead of the consumer (pinned staging for a GPU)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One tensor's bytes in a file."""
+
+    path: Path
+    key: str
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
 
 
 def _layout(f) -> tuple[dict, int]:
@@ -24,25 +46,128 @@ def _layout(f) -> tuple[dict, int]:
     return json.loads(f.read(size)), 8 + size
 
 
-def read_tensors(path: Path, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (key, tensor) for `keys` in order; each tensor owns fresh CPU memory. Raises OSError or
-    ValueError (truncated file, bad header) for the caller to name the file."""
-    with open(path, "rb", buffering=0) as f:
-        header, base = _layout(f)
+def items_of(path: Path, keys: list[str]) -> list[Item]:
+    """Where each of `keys` lies in `path`, in the order given. Raises a ValueError naming the file for a
+    header that cannot be parsed or a key it lacks."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            header, base = _layout(f)
+        out = []
         for key in keys:
             entry = header[key]
             start, end = entry["data_offsets"]
-            dtype = ST_DTYPES[entry["dtype"]]
-            out = torch.empty(end - start, dtype=torch.uint8)
-            f.seek(base + start)
+            out.append(Item(path, key, base + start, end - start, ST_DTYPES[entry["dtype"]], tuple(entry["shape"])))
+        return out
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        raise corrupt_error(path, e) from None
+
+
+def _read_into(fd: int, offset: int, view: memoryview, key: str) -> None:
+    """Fill `view` from `fd` at `offset` (short reads resumed); a file that ends early raises."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if not n:
+            raise ValueError(f"tensor {key!r} ends after {done} of {len(view)} bytes")
+        done += n
+
+
+class Reader:
+    """Reads `Item`s onto `device` with `threads` readers; `read` yields (item, tensor) in the items' order.
+
+    At most `in_flight` host bytes (whole tensors on a CPU, pinned staging chunks for a GPU) are held ahead of
+    the consumer, and at least one tensor whatever its size. On a GPU each tensor is allocated on the device
+    when its first chunk is scheduled, so the device holds at most the tensors in flight beside the model."""
+
+    def __init__(self, device: torch.device, threads: int | None = None, in_flight: int = HOST_IN_FLIGHT,
+                 chunk: int = CHUNK_BYTES) -> None:
+        self.device = torch.device(device)
+        self.threads = threads or max(2, min(8, os.cpu_count() or 2))
+        self.in_flight, self.chunk = max(in_flight, chunk), chunk
+        self.cuda = self.device.type == "cuda"
+        self.peak_in_flight = 0   # the most host bytes held at once (what the bound is tested against)
+
+    def read(self, items: list[Item]) -> Iterator[tuple[Item, torch.Tensor]]:
+        fds: dict[Path, int] = {}
+        staging = _Staging(self.in_flight, self.chunk) if self.cuda else None
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fp8now-read")
+        queue: deque[tuple[Item, torch.Tensor, list[Future]]] = deque()
+        held, nxt = 0, 0
+        try:
+            while nxt < len(items) or queue:
+                while nxt < len(items) and (not queue or held + self._cost(items[nxt]) <= self.in_flight):
+                    item = items[nxt]
+                    nxt += 1
+                    if item.path not in fds:
+                        fds[item.path] = os.open(item.path, os.O_RDONLY)
+                    out, futures = self._schedule(pool, fds[item.path], item, staging)
+                    queue.append((item, out, futures))
+                    held += self._cost(item)
+                    self.peak_in_flight = max(self.peak_in_flight, held)
+                item, out, futures = queue.popleft()
+                try:
+                    for fut in futures:
+                        fut.result()
+                except (OSError, ValueError) as e:
+                    raise corrupt_error(item.path, e) from None
+                held -= self._cost(item)
+                yield item, out.view(item.dtype).reshape(item.shape)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            for fd in fds.values():
+                os.close(fd)
+            if staging is not None:
+                staging.close()
+
+    def _cost(self, item: Item) -> int:
+        """Host bytes an item holds while in flight: the tensor itself, or a GPU's staging chunks."""
+        return min(item.nbytes, self.in_flight) if self.cuda else item.nbytes
+
+    def _schedule(self, pool: ThreadPoolExecutor, fd: int, item: Item, staging) -> tuple[torch.Tensor, list[Future]]:
+        out = torch.empty(item.nbytes, dtype=torch.uint8, device=self.device)
+        spans = [(a, min(a + self.chunk, item.nbytes)) for a in range(0, item.nbytes, self.chunk)] or [(0, 0)]
+        if staging is None:
             view = memoryview(out.numpy())
-            done = 0
-            while done < len(view):
-                n = f.readinto(view[done:])
-                if not n:
-                    raise ValueError(f"tensor {key!r} ends after {done} of {end - start} bytes")
-                done += n
-            yield key, out.view(dtype).reshape(entry["shape"])
+            return out, [pool.submit(_read_into, fd, item.offset + a, view[a:b], item.key) for a, b in spans]
+        return out, [pool.submit(staging.copy, fd, item.offset + a, out[a:b], item.key) for a, b in spans]
+
+
+class _Staging:
+    """Pinned host buffers a GPU read goes through: a worker takes one, reads into it, copies it to the device
+    without waiting, and gives it back with the copy's event; the next taker waits for that event only."""
+
+    def __init__(self, in_flight: int, chunk: int) -> None:
+        import queue
+
+        self.free: queue.Queue = queue.Queue()
+        for _ in range(max(1, in_flight // chunk)):
+            self.free.put((torch.empty(chunk, dtype=torch.uint8).pin_memory(), None))
+
+    def copy(self, fd: int, offset: int, dest: torch.Tensor, key: str) -> None:
+        buf, event = self.free.get()
+        try:
+            torch.cuda.set_device(dest.device)   # this thread's copies and events on the tensor's device
+            if event is not None:
+                event.synchronize()   # its previous copy to the device has finished
+            n = dest.numel()
+            _read_into(fd, offset, memoryview(buf.numpy())[:n], key)
+            dest.copy_(buf[:n], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        finally:
+            self.free.put((buf, event))
+
+    def close(self) -> None:
+        torch.cuda.synchronize()
+
+
+def read_tensors(path: Path, keys: list[str], device: torch.device | str = "cpu",
+                 reader: Reader | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (key, tensor) for `keys` of one file, in order, each in fresh memory on `device` (no mapping).
+    Raises a ValueError naming the file for a truncated or corrupt one."""
+    reader = reader or Reader(torch.device(device))
+    for item, t in reader.read(items_of(path, keys)):
+        yield item.key, t
 
 
 def read_slices(path: Path, names: dict[str, str], tp) -> Iterator[tuple[str, torch.Tensor | None]]:

@@ -3,64 +3,101 @@
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..config import Fp8Config
+from ..config import Scheme
 from ..layers.embedding import Fp8Embedding
 from ..layers.linear import Fp8Linear
 from ..layers.moe import Fp8Experts
-from ..layers.weight_error import weight_error
+from ..layers.weight_error import error_figures, error_stats
 from ..report import ExpertsRow, LayerRow, LoadReport, peak_host_rss_bytes, plan_names, tensor_bytes
 
 
-def layer_row(layer: Fp8Linear, w: torch.Tensor | None) -> LayerRow:
-    """The report row of a quantized layer; with its float weight `w`, its error figures too."""
-    figures = (None,) * 4 if w is None else weight_error(w, layer.weight, layer.weight_scale, layer.scheme)
-    return LayerRow(layer.name, layer.scheme.value, layer.backend or "?", layer.out_features,
-                    layer.in_features, layer.bias is not None, *figures[:2], plan=plan_names(layer),
-                    zero_flushed=figures[2], worst_group_flushed=figures[3])
+@dataclass
+class Pending:
+    """A row whose error figures wait for their sums on the device (`error_stats`): a load resolves them all at
+    its end with one host sync, instead of one per layer."""
+
+    row: LayerRow | ExpertsRow
+    stats: torch.Tensor   # [7], or [E, 2, 7] for experts (w13, w2 of each expert)
+    scheme: Scheme
 
 
-def embedding_row(layer: Fp8Embedding, w: torch.Tensor | None, head_row: LayerRow | None = None) -> LayerRow:
-    """The report row of an Fp8Embedding: its weight error against the float table `w`, or, tied, its
-    head's figures (the same bytes)."""
-    if head_row is not None:
-        figures = (head_row.sqnr_db, head_row.rel_diff, head_row.zero_flushed, head_row.worst_group_flushed)
-    elif w is not None:
-        figures = weight_error(w, layer.weight, layer.weight_scale, layer.scheme)
-    else:
-        figures = (None,) * 4
+def resolve(pending: list[Pending]) -> None:
+    """Fill in the error figures of every pending row (one host sync per device)."""
+    by_device: dict[torch.device, list[Pending]] = {}
+    for p in pending:
+        by_device.setdefault(p.stats.device, []).append(p)
+    for group in by_device.values():
+        values = torch.cat([p.stats.reshape(-1) for p in group]).tolist()
+        at = 0
+        for p in group:
+            n = p.stats.numel()
+            sums = [values[i:i + 7] for i in range(at, at + n, 7)]
+            at += n
+            figures = [error_figures(x, p.scheme) for x in sums]
+            if isinstance(p.row, ExpertsRow):   # per expert, the SQNR of its worse matrix (w13 or w2)
+                worst = [min(figures[2 * e][0], figures[2 * e + 1][0]) for e in range(len(figures) // 2)]
+                p.row.min_sqnr_db, p.row.median_sqnr_db = min(worst), statistics.median(worst)
+            else:
+                row = p.row
+                row.sqnr_db, row.rel_diff, row.zero_flushed, row.worst_group_flushed = figures[0]
+    pending.clear()
+
+
+def layer_row(layer: Fp8Linear, w: torch.Tensor | None, pending: list[Pending]) -> LayerRow:
+    """The report row of a quantized layer; with its float weight `w`, its error figures too (pending)."""
+    row = LayerRow(layer.name, layer.scheme.value, layer.backend or "?", layer.out_features, layer.in_features,
+                   layer.bias is not None, None, None, plan=plan_names(layer))
+    if w is not None:
+        pending.append(Pending(row, error_stats(w, layer.weight, layer.weight_scale, layer.scheme), layer.scheme))
+    return row
+
+
+def embedding_row(layer: Fp8Embedding, w: torch.Tensor | None, pending: list[Pending] | None = None,
+                  head_row: LayerRow | None = None) -> LayerRow:
+    """The report row of an Fp8Embedding: its weight error against the float table `w` (pending), or, tied,
+    its head's figures (the same bytes)."""
     backend = "lookup (tied)" if layer.tied_to else "lookup"   # tied: reads the head's FP8 weight
-    return LayerRow(layer.name, layer.scheme.value, backend, layer.num_embeddings, layer.embedding_dim, False,
-                    *figures[:2], plan={}, zero_flushed=figures[2], worst_group_flushed=figures[3])
+    row = LayerRow(layer.name, layer.scheme.value, backend, layer.num_embeddings, layer.embedding_dim, False,
+                   None, None, plan={})
+    if head_row is not None:
+        row.sqnr_db, row.rel_diff = head_row.sqnr_db, head_row.rel_diff
+        row.zero_flushed, row.worst_group_flushed = head_row.zero_flushed, head_row.worst_group_flushed
+    elif w is not None:
+        pending.append(Pending(row, error_stats(w, layer.weight, layer.weight_scale, layer.scheme), layer.scheme))
+    return row
 
 
-def experts_row(layer: Fp8Experts, w13: torch.Tensor, w2: torch.Tensor, measure: bool) -> ExpertsRow:
-    """The report row of a loaded layer; per expert, the SQNR of its worse matrix (w13 or w2)."""
-    per_expert: list[float] = []
-    if measure:
+def experts_row(layer: Fp8Experts, w13: torch.Tensor, w2: torch.Tensor, pending: list[Pending] | None
+                ) -> ExpertsRow:
+    """The report row of a loaded experts layer; with `pending`, per expert the SQNR of its worse matrix (w13 or
+    w2), the minimum and the median over the experts (pending)."""
+    row = ExpertsRow(layer.name, layer.num_experts, layer.hidden_size, layer.intermediate_size, layer.scheme.value,
+                     layer.backend or "?", layer.w13_bias is not None, None, None, layer.act_kind)
+    if pending is not None:
         p13, p2 = layer.padded(w13.to(layer.w13.device), w2.to(layer.w2.device))
-        for e in range(layer.num_experts):
-            per_expert.append(min(weight_error(p13[e], layer.w13[e], layer.w13_scale[e], layer.scheme)[0],
-                                  weight_error(p2[e], layer.w2[e], layer.w2_scale[e], layer.scheme)[0]))
-    return ExpertsRow(layer.name, layer.num_experts, layer.hidden_size, layer.intermediate_size,
-                      layer.scheme.value, layer.backend or "?", layer.w13_bias is not None,
-                      min(per_expert) if per_expert else None,
-                      statistics.median(per_expert) if per_expert else None, layer.act_kind)
+        stats = torch.stack([error_stats(p13, layer.w13, layer.w13_scale, layer.scheme),
+                             error_stats(p2, layer.w2, layer.w2_scale, layer.scheme)], dim=1)   # [E, 2, 7]
+        pending.append(Pending(row, stats, layer.scheme))
+    return row
 
 
 def build_report(model: nn.Module, rows: list[LayerRow], ignored: list[tuple[str, str]], source: str,
-            device: torch.device, dtype: torch.dtype, config: Fp8Config) -> LoadReport:
+                 device: torch.device, dtype: torch.dtype, scheme: str) -> LoadReport:
+    """The report of a load: its rows in model order (a tied FP8 embedding shows its head's figures), the
+    bytes of the FP8 layers and of the whole model, the backends' working copies, the host's peak."""
     layers = {name: m for name, m in model.named_modules() if isinstance(m, (Fp8Linear, Fp8Embedding))}
     order = {name: i for i, name in enumerate(layers)}
     by_name = {row.name: row for row in rows}
-    rows = rows + [embedding_row(m, None, by_name[m.tied_to]) for m in layers.values()   # tied: the head's row
+    rows = rows + [embedding_row(m, None, head_row=by_name[m.tied_to]) for m in layers.values()   # tied: the head's row
                    if isinstance(m, Fp8Embedding) and m.tied_to in by_name and m.name not in by_name]
     rows = sorted(rows, key=lambda row: order[row.name])
     report = LoadReport(source=source, device=str(device), dtype=str(dtype).removeprefix("torch."),
-                        scheme=config.scheme.value, layers=rows, ignored=ignored)
+                        scheme=scheme, layers=rows, ignored=ignored)
     for row in rows:
         layer = layers[row.name]
         if isinstance(layer, Fp8Embedding) and layer.tied_to is not None:

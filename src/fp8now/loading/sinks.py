@@ -13,7 +13,7 @@ from torch import nn
 from ..layers.finite import FiniteCheck, check_finite
 from ..layers.linear import Fp8Linear
 from .route import Dest
-from .rows import embedding_row, layer_row
+from .rows import Pending, embedding_row, layer_row, resolve
 from .slots import Slot
 
 # Source weight bytes quantized between heap trims: the freed temporaries of a load are given back as it
@@ -63,6 +63,7 @@ class Sinks:
         self.updated: list[str] = []               # FP8 layers and experts written, in order
         self.copied: list[str] = []                # plain tensors written
         self.pending: dict[str, dict[str, tuple[torch.Tensor, str, str]]] = {}   # FP8 layer -> leaf -> parts
+        self.figures: list[Pending] = []           # rows whose error figures wait for their sums (one sync)
         self._since_trim = 0
 
     def add(self, d: Dest, key: str, t: torch.Tensor | None, where: str) -> None:
@@ -110,10 +111,14 @@ class Sinks:
             b, bwhere, bkey = parts.pop("bias")
             b = b.to(device=self.device or w.device)
             self._check(b, f"{bwhere}: tensor {bkey!r}")
+        # On a GPU a load checks NaN/Inf of every weight with one host sync at its end, not one per layer.
+        later = not self.checked and self.deferred and w.device.type == "cuda"
+        if later:
+            self.finite.add(w, f"{wwhere}: tensor {wkey!r}")
         tp = self.plan.tp
         try:
             if tp is None:
-                layer.load_(w, b)
+                layer.load_(w, b, checked=self.checked or later)
             elif self.whole:
                 tp.reload_layer(layer, w, b)   # slice, then the SPEC §6 scales
             else:
@@ -122,7 +127,7 @@ class Sinks:
             raise ValueError(f"{wwhere}: tensor {wkey!r}: {e}") from None
         self.updated.append(layer.name)
         if self.plain != "copy":
-            self.rows.append(layer_row(layer, w if self.measure else None))
+            self.rows.append(layer_row(layer, w if self.measure else None, self.figures))
         self._since_trim += w.numel() * w.element_size()
         del w
         if self._since_trim >= TRIM_EVERY_BYTES and self.plain == "store":
@@ -136,7 +141,8 @@ class Sinks:
         device = self.device or (t.device if layer.w13.is_meta and t is not None else layer.w13.device)
         dtype = self.dtype or (layer.w13_bias.dtype if layer.w13_bias is not None else layer.w13.dtype)
         with torch.no_grad():
-            if experts.add(d.name, key, t, where, device, dtype, self.measure and self.plain != "copy"):
+            if experts.add(d.name, key, t, where, device, dtype,
+                           self.figures if self.measure and self.plain != "copy" else None):
                 self.updated.append(layer.name)
 
     def _embedding(self, layer, key: str, t: torch.Tensor, where: str) -> None:
@@ -149,7 +155,7 @@ class Sinks:
             raise ValueError(f"{where}: tensor {key!r}: {e}") from None
         self.updated.append(layer.name)
         if self.plain != "copy":
-            self.rows.append(embedding_row(layer, w if self.measure else None))
+            self.rows.append(embedding_row(layer, w if self.measure else None, self.figures))
 
     def _plain(self, slot: Slot, name: str, key: str, t: torch.Tensor, where: str) -> None:
         if self.plain == "keep":
@@ -176,5 +182,6 @@ class Sinks:
         if left:   # cannot happen after route_files; a guard against silent partial loads
             raise RuntimeError(f"layers left incomplete after reading every file: {', '.join(left)}")
         self.finite.raise_if_bad()
+        resolve(self.figures)
         if self.plain == "store":
             trim_heap()

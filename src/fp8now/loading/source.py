@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from .files import ST_DTYPES, checkpoint_files, corrupt_error, index_map, scan_headers
-from .reader import read_slices, read_tensors
+from .files import ST_DTYPES, checkpoint_files, index_map, scan_headers
+from .reader import Reader, items_of, read_slices
 
 _ST_NAME = {dtype: name for name, dtype in ST_DTYPES.items()}
 
@@ -49,6 +49,7 @@ class FileSource:
         self.files = checkpoint_files(model_dir)
         self.rename = rename
         self._headers: list[Header] | None = None
+        self.reader: Reader | None = None   # the last read's reader (its peak bytes in flight)
 
     def headers(self) -> list[Header]:
         """Every tensor of every file, in file order (headers only: no data is read)."""
@@ -67,27 +68,21 @@ class FileSource:
                 raise ValueError(f"{self.model_dir / 'model.safetensors.index.json'} lists {key!r} in {fname}, "
                                  "which does not contain it; re-download the checkpoint")
 
-    def read(self, wanted: dict[str, dict[str, str]], tp=None) -> Iterator[tuple[str, torch.Tensor | None, str]]:
-        """Yield (key, tensor, file) for `wanted` {file: {key: model name}}, file by file, in the given order;
-        under tensor parallelism (`tp`) this rank's slices (None for another rank's experts)."""
-        for where, names in wanted.items():
-            if not names:
-                continue
-            path = Path(where)
-            if tp is not None:
-                reader = read_slices(path, names, tp)
-            else:
-                reader = _read(path, list(names))
-            for key, t in reader:
-                yield key, t, where
-
-
-def _read(path: Path, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """`read_tensors`, its failures named as a corrupt file."""
-    try:
-        yield from read_tensors(path, keys)
-    except (OSError, ValueError, KeyError) as e:
-        raise corrupt_error(path, e) from None
+    def read(self, wanted: dict[str, dict[str, str]], device: torch.device, tp=None
+             ) -> Iterator[tuple[str, torch.Tensor | None, str]]:
+        """Yield (key, tensor on `device`, file) for `wanted` {file: {key: model name}}, file by file, each file
+        in the order of its bytes; under tensor parallelism (`tp`) this rank's slices on the host (None for
+        another rank's experts)."""
+        if tp is not None:
+            for where, names in wanted.items():
+                for key, t in read_slices(Path(where), names, tp):
+                    yield key, t, where
+            return
+        items = [item for where, names in wanted.items() if names
+                 for item in sorted(items_of(Path(where), list(names)), key=lambda i: i.offset)]
+        self.reader = Reader(device)
+        for item, t in self.reader.read(items):
+            yield item.key, t, str(item.path)
 
 
 class TensorSource:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .. import numerics
-from ..config import Fp8Config, Scheme
+from ..config import Scheme
 from ..hf.modules import set_submodule
 from ..hf.experts import ExpertsLayout, hf_shapes, is_experts
 from ..layers.moe import Fp8Experts
@@ -111,11 +111,11 @@ def _fused_slices(name: str, layer: Fp8Experts, layout: ExpertsLayout, split: Ex
     return out  # down_proj_bias [E, H]: whole on every rank, added once after the sum
 
 
-def _local_layer(name: str, layer: Fp8Experts, split: ExpertsSplit, config: Fp8Config) -> Fp8Experts:
+def _local_layer(name: str, layer: Fp8Experts, split: ExpertsSplit) -> Fp8Experts:
     """An empty meta Fp8Experts of this rank's shape, same activation and layout."""
     bias = layer.w13_bias
     return Fp8Experts(split.experts[1] - split.experts[0], layer.hidden_size, split.inter[1] - split.inter[0],
-                      config, bias=bias is not None, gate=layer.gate_kind, act_fn=layer.act_fn, alpha=layer.alpha,
+                      layer.config, bias=bias is not None, gate=layer.gate_kind, act_fn=layer.act_fn, alpha=layer.alpha,
                       limit=layer.limit, dense_input=layer.dense_input, device="meta",
                       dtype=torch.bfloat16 if bias is None else bias.dtype, name=name, split=True)
 
@@ -203,7 +203,7 @@ class ExpertsTp:
 
 
 def shard_experts(model: nn.Module, tp_plan: str | dict[str, str], experts: dict, moe_parallel: str | None,
-                  config: Fp8Config, state) -> ExpertsTp:
+                  state) -> ExpertsTp:
     """Replace each FP8 experts layer of `experts` ({name: (layer, layout)}, updated in place) by this
     rank's meta part, note the slices it reads, install the forward; bf16 experts stay whole."""
     from .experts_forward import install
@@ -219,7 +219,7 @@ def shard_experts(model: nn.Module, tp_plan: str | dict[str, str], experts: dict
         slices = _fused_slices(name, layer, layout, split)
         out.fused_slices.update(slices)
         state.slices.update(slices)
-        local = _local_layer(name, layer, split, config)
+        local = _local_layer(name, layer, split)
         local.hf_layout = layout   # reload_weights maps transformers' names onto the part again
         set_submodule(model, name, local)
         experts[name] = (local, layout)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import numerics
-from ..config import Fp8Config, Scheme
+from ..config import Scheme
 from ..hf.modules import set_submodule, tied_names
 from ..layers.linear import Fp8Linear, check_float_weight
 from .plan import STYLES, Style, check_heads, resolve_plan
@@ -113,7 +113,7 @@ def _scale_spans_split(scheme: Scheme, split: str) -> bool:
     return scheme is Scheme.TENSOR or (scheme is Scheme.CHANNEL and split == "in")
 
 
-def shard(model: nn.Module, tp_plan: str | dict[str, str], config: Fp8Config, group=None,
+def shard(model: nn.Module, tp_plan: str | dict[str, str], invariant: bool = False, group=None,
           experts: dict | None = None, moe_parallel: str | None = None) -> TpState:
     """Give each planned module and each FP8 experts layer of `experts` ({name: (layer, layout)},
     updated in place; tp_moe.py) this rank's local shape (still on meta) and install the forward
@@ -122,7 +122,7 @@ def shard(model: nn.Module, tp_plan: str | dict[str, str], config: Fp8Config, gr
         raise RuntimeError("tp_plan needs torch.distributed initialised: launch with torchrun and call "
                            "torch.distributed.init_process_group('nccl' or 'gloo') before fp8now.load")
     group = group or dist.group.WORLD
-    state = TpState(group, dist.get_rank(group), dist.get_world_size(group), config.tp_invariant)
+    state = TpState(group, dist.get_rank(group), dist.get_world_size(group), invariant)
     plan = resolve_plan(model, tp_plan, experts_names(model))
     check_heads(model, plan, state.size)
     modules = dict(model.named_modules())
@@ -138,9 +138,9 @@ def shard(model: nn.Module, tp_plan: str | dict[str, str], config: Fp8Config, gr
             state.slices[f"{name}.{leaf}"] = sl
     _untie_mismatched(model, state)
     for name, style in state.styles.items():
-        _resize(model, name, modules[name], state, config)
+        _resize(model, name, modules[name], state)
         install(model.get_submodule(name), name, style, state)
-    state.moe = shard_experts(model, tp_plan, experts if experts is not None else {}, moe_parallel, config, state)
+    state.moe = shard_experts(model, tp_plan, experts if experts is not None else {}, moe_parallel, state)
     return state
 
 
@@ -174,7 +174,7 @@ def _untie_mismatched(model: nn.Module, state: TpState) -> None:
                                                      "which the plan does not split alike: kept whole"))
 
 
-def _resize(model: nn.Module, name: str, module: nn.Module, state: TpState, config: Fp8Config) -> None:
+def _resize(model: nn.Module, name: str, module: nn.Module, state: TpState) -> None:
     """Replace the module's meta tensors by meta tensors of this rank's local shapes."""
     local = {leaf: state.slices[f"{name}.{leaf}"] for leaf in ("weight", "bias")
              if f"{name}.{leaf}" in state.slices}
@@ -182,7 +182,7 @@ def _resize(model: nn.Module, name: str, module: nn.Module, state: TpState, conf
     sl = local["weight"]
     shape[sl.dim] = sum(b - a for a, b in sl.ranges)
     if isinstance(module, Fp8Linear):
-        layer = Fp8Linear(shape[1], shape[0], module.bias is not None, config, device="meta",
+        layer = Fp8Linear(shape[1], shape[0], module.bias is not None, module.config, device="meta",
                           dtype=module.bias.dtype if module.bias is not None else torch.bfloat16, name=name)
         set_submodule(model, name, layer)
         return
