@@ -75,9 +75,10 @@ class _QuantizeOnLoad(ConversionOps):
             if isinstance(layer, Fp8Experts):
                 out.update(self._experts(prefix, leaf, layer, w))
                 continue
-            q, s = quantize_weight(w, layer.scheme, name=layer.name or None)
+            q, s = quantize_weight(w, layer.scheme, layer.name or None, layer.weight_numerics)
+            layer.scale_dtype = s.dtype   # llm-compressor numerics: the weight's dtype (what save writes)
             out[key] = q
-            out[f"{prefix}.weight_scale"] = s.reshape(layer.weight_scale.shape)
+            out[f"{prefix}.weight_scale"] = s.float().reshape(layer.weight_scale.shape)
         return out
 
     def _experts(self, prefix: str, leaf: str, layer: Fp8Experts, t: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import Scheme
+from .config import LLMC_SCHEMES, Scheme
 from .numerics import CHUNK_BYTES, E4M3FN, weight_amax
 
 BLOCK = 128
@@ -30,7 +30,6 @@ DIVISION: dict[str, torch.dtype | None] = {
     "llm-compressor": None,                  # compressed-tensors' torch ops
     "llm-compressor-triton": torch.float32,  # its Triton kernel (CUDA, compute capability >= 9)
 }
-SCHEMES = (Scheme.CHANNEL, Scheme.BLOCK)   # FP8_DYNAMIC, FP8_BLOCK
 
 
 def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -48,14 +47,14 @@ def _spread(scale: torch.Tensor, rows: int, cols: int, scheme: Scheme) -> torch.
 
 
 def _quantize_2d(w: torch.Tensor, scheme: Scheme, numerics: str, name: str | None,
-                 amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                 amax: torch.Tensor | None, chunk_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     dtype = w.dtype
     if amax is None:
         amax = weight_amax(w, scheme, name)                 # float32; NaN/Inf raise, naming the layer
     scale = scale_from_amax(amax.to(w.device), dtype)       # channel [N, 1], block [ceil(N/128), ceil(K/128)]
     div = DIVISION[numerics] or dtype
     rows, cols = w.shape
-    step = max(CHUNK_BYTES // (4 * max(cols, 1)) // BLOCK * BLOCK, BLOCK)
+    step = max(chunk_bytes // (4 * max(cols, 1)) // BLOCK * BLOCK, BLOCK)   # whole tiles per chunk
     q = torch.empty((rows, cols), dtype=E4M3FN.dtype, device=w.device)
     for r in range(0, rows, step):
         s = scale[r:r + step] if scheme is Scheme.CHANNEL else scale[r // BLOCK:(r + step) // BLOCK]
@@ -66,24 +65,27 @@ def _quantize_2d(w: torch.Tensor, scheme: Scheme, numerics: str, name: str | Non
 
 
 def quantize_weight(w: torch.Tensor, scheme: Scheme | str, numerics: str = "llm-compressor",
-                    name: str | None = None, amax: torch.Tensor | None = None
+                    name: str | None = None, amax: torch.Tensor | None = None, chunk_bytes: int = CHUNK_BYTES
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """llm-compressor's FP8 bytes and scales of a weight `[N, K]` or stacked experts `[E, N, K]`.
 
     Returns `(q, scale)` with the scale in w's dtype: channel `[N, 1]`, block `[ceil(N/128), ceil(K/128)]`
     (`[E, ...]` stacked). `amax` (2-D only; numerics.weight_amax's shape): the groups' amax to use instead
     of measuring it (a tensor-parallel group's MAX, SPEC §6). NaN/Inf raise a ValueError naming `name`.
+    Rows go in chunks of whole 128-row tiles whose float32 size stays near `chunk_bytes`; the bytes do not
+    depend on the chunking.
     """
     scheme = Scheme.parse(scheme)
     if numerics not in DIVISION:
         raise ValueError(f"unknown llm-compressor numerics {numerics!r}; valid: {', '.join(DIVISION)}")
-    if scheme not in SCHEMES:
-        raise ValueError(f"llm-compressor numerics cover the schemes {', '.join(s.value for s in SCHEMES)} "
+    if scheme not in LLMC_SCHEMES:
+        raise ValueError(f"llm-compressor numerics cover the schemes {', '.join(s.value for s in LLMC_SCHEMES)} "
                          f"(its FP8_DYNAMIC and FP8_BLOCK), not {scheme.value!r}")
     if w.dim() == 2:
-        return _quantize_2d(w, scheme, numerics, name, amax)
+        return _quantize_2d(w, scheme, numerics, name, amax, chunk_bytes)
     if amax is not None or w.dim() != 3:
         raise ValueError(f"llm-compressor numerics quantize [N, K] weights (with amax) or [E, N, K] stacked "
                          f"experts (without), got shape {tuple(w.shape)}" + (f" for {name!r}" if name else ""))
-    outs = [_quantize_2d(w[e], scheme, numerics, f"{name or 'experts'}[{e}]", None) for e in range(w.shape[0])]
+    outs = [_quantize_2d(w[e], scheme, numerics, f"{name or 'experts'}[{e}]", None, chunk_bytes)
+            for e in range(w.shape[0])]
     return torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])

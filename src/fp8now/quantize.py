@@ -37,7 +37,8 @@ def build_report(model: nn.Module, rows: list[LayerRow], ignored: list[tuple[str
                    if isinstance(m, Fp8Embedding) and m.tied_to in by_name and m.name not in by_name]
     rows = sorted(rows, key=lambda row: order[row.name])
     report = LoadReport(source=source, device=str(device), dtype=str(dtype).removeprefix("torch."),
-                        scheme=config.scheme.value, layers=rows, ignored=ignored)
+                        scheme=config.scheme.value, layers=rows, ignored=ignored,
+                        weight_numerics=config.weight_numerics)
     for row in rows:
         layer = layers[row.name]
         if isinstance(layer, Fp8Embedding) and layer.tied_to is not None:
