@@ -53,17 +53,17 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     return {key: llmc_tiny.write(key, root) for key in llmc_tiny.MODELS}
 
 
-def load_case(inputs: dict[str, Path], case: str, numerics: str = "llm-compressor"):
+def load_case(inputs: dict[str, Path], case: str, numerics: str = "llm-compressor", device: str = "cpu"):
     key, scheme = case.rsplit("-", 1)
     dtype = llmc_tiny.MODELS[key][2]
     config = fp8now.Fp8Config(scheme=scheme, weight_numerics=numerics)
-    return fp8now.load(inputs[key], config, device="cpu", dtype=dtype, measure_error=False)[0]
+    return fp8now.load(inputs[key], config, device=device, dtype=dtype, measure_error=False)[0]
 
 
 def fp8_tensors(model) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.dtype]]:
     """llm-compressor's weight name -> (FP8 weight, float32 scale, on-disk scale dtype) of every FP8 layer."""
     out = {}
-    for name, m in model.named_modules():
+    for name, m in model.cpu().named_modules():
         if isinstance(m, Fp8Linear):
             out[f"{name}.weight"] = (m.weight, m.weight_scale, m.scale_dtype)
         elif isinstance(m, Fp8Experts):
@@ -81,10 +81,10 @@ def test_inputs_are_those_llm_compressor_quantized(inputs):
         assert llmc_tiny.tensor_hashes(folder) == recorded[key], f"{key}: the seeded inputs changed"
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_load_gives_llm_compressor_bytes_and_scales(inputs, case):
+def check_case(inputs, case: str, device: str = "cpu") -> None:
+    """fp8now.load on `device` gives llm-compressor's bytes and scales of every FP8 layer of `case`."""
     ref = load_file(str(FIXTURES / case / "model.safetensors"))
-    ours = fp8_tensors(load_case(inputs, case))
+    ours = fp8_tensors(load_case(inputs, case, device=device))
     assert set(ours) == {k.removesuffix("_scale") for k in ref if k.endswith(".weight_scale")}
     bad = 0
     for name, (q, s, scale_dtype) in ours.items():
@@ -95,6 +95,22 @@ def test_load_gives_llm_compressor_bytes_and_scales(inputs, case):
     assert bad == 0
     if case.split("-")[0] in MOE:
         assert any(".experts." in name for name in ours)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_load_gives_llm_compressor_bytes_and_scales(inputs, case):
+    check_case(inputs, case)
+
+
+@pytest.mark.gpu
+def test_gpu_load_gives_the_same_bytes(inputs):
+    """On a GPU (where the SPEC's weight quantizer is a Triton kernel) the llm-compressor numerics run the
+    same torch ops: the CPU fixtures' bytes, both schemes, dense and MoE; and the Triton variant its hashes."""
+    recorded = json.loads((FIXTURES / "triton_path.json").read_text())
+    for case in CASES:
+        check_case(inputs, case, "cuda")
+        ours = fp8_tensors(load_case(inputs, case, "llm-compressor-triton", "cuda"))
+        assert {n: f"float8_e4m3fn {list(q.shape)} {sha(q)}" for n, (q, _, _) in ours.items()} == recorded[case]
 
 
 @pytest.mark.parametrize("case", ["llama-channel", "qwen3_moe-block"])
