@@ -11,7 +11,8 @@ Run it in a separate virtualenv holding llm-compressor (it pins transformers <= 
 For every tiny model of tests/llmc_tiny.py and both schemes it runs llm-compressor's data-free `oneshot`
 with `QuantizationModifier(targets="Linear", scheme=FP8_DYNAMIC | FP8_BLOCK, ignore=["lm_head"])` and
 `save_pretrained(save_compressed=True)` on the CPU, and keeps its `model.safetensors` and `config.json` in
-`<model>-<scheme>/`. `inputs.json` holds the SHA-256 of every input tensor (the tests rebuild the inputs
+`<model>-<scheme>/`; for the MoE families of `llmc_tiny.HASHED` only the SHA-256 of its FP8 weights and
+scales (`moe_families.json`, with one digest of the inputs' hashes). `inputs.json` holds the SHA-256 of every input tensor (the tests rebuild the inputs
 from the seed and check them), `smollm2.json` the SHA-256 of every weight and scale llm-compressor wrote
 for the embedded SmolLM2 (the bf16 folder fp8now converts into its cache, `--smollm2`), `versions.json`
 the versions compared.
@@ -141,6 +142,14 @@ def main() -> None:
                 for name in ("model.safetensors", "config.json"):
                     shutil.copy2(run / name, dest / name)
                 triton_path[f"{key}-{scheme}"] = triton_path_hashes(src, run, scheme)
+        families = {}
+        for key in llmc_tiny.HASHED:
+            src = llmc_tiny.write(key, Path(tmp) / "in")
+            families[key] = {"inputs_sha256": llmc_tiny.digest(llmc_tiny.tensor_hashes(src))}
+            for scheme, preset in SCHEMES.items():
+                run = Path(tmp) / f"{key}-{scheme}"
+                run_oneshot(src, preset, run)
+                families[key][scheme] = quantized_hashes(run)
         smollm2 = {}
         for scheme, preset in SCHEMES.items():
             run = Path(tmp) / f"smollm2-{scheme}"
@@ -152,6 +161,7 @@ def main() -> None:
                 "recipe": "QuantizationModifier(targets='Linear', scheme=FP8_DYNAMIC | FP8_BLOCK, ignore=['lm_head'])"
                           ", data-free oneshot, save_pretrained(save_compressed=True)"}
     for name, data in (("inputs.json", inputs), ("smollm2.json", smollm2), ("triton_path.json", triton_path),
+                       ("moe_families.json", families),
                        ("versions.json", versions)):
         (OUT / name).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     print(f"wrote {OUT}: {sum(p.stat().st_size for p in OUT.rglob('*') if p.is_file()) / 1e6:.2f} MB")

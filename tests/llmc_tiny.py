@@ -15,6 +15,7 @@ multiple of 128.
 from __future__ import annotations
 
 import hashlib
+import json
 import zlib
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,23 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("mixtral", dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
                                 sliding_window=None), torch.bfloat16),
 }
+# More MoE families llm-compressor linearizes, kept as SHA-256 of its output only (fixtures/llmc/moe_families.json):
+# smaller layers (4 heads), one MoE layer each, expert intermediate 64. (Llama 4's text model is not among them:
+# llm-compressor 0.14 fails on Llama4TextConfig, which has no text_config.)
+_MOE: dict[str, Any] = dict(num_attention_heads=4, num_key_value_heads=2)
+HASHED: dict[str, tuple[str, dict[str, Any], torch.dtype]] = {
+    "qwen2_moe": ("qwen2_moe", dict(_MOE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                    shared_expert_intermediate_size=96, intermediate_size=96,
+                                    decoder_sparse_step=1), torch.bfloat16),
+    "olmoe": ("olmoe", dict(_MOE, num_experts=4, num_experts_per_tok=2, intermediate_size=64), torch.bfloat16),
+    "deepseek_v3": ("deepseek_v3", dict(_MOE, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                        intermediate_size=96, n_shared_experts=1, first_k_dense_replace=0,
+                                        n_group=2, topk_group=1, kv_lora_rank=32, q_lora_rank=None,
+                                        qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                                        num_key_value_heads=4, head_dim=16), torch.bfloat16),
+    "gpt_oss": ("gpt_oss", dict(_MOE, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
+                                sliding_window=64, layer_types=["full_attention"]), torch.bfloat16),
+}
 SEED = 40
 
 
@@ -58,10 +76,10 @@ def _special_(name: str, t: torch.Tensor) -> None:
 
 
 def build(key: str, seed: int = SEED):
-    """The CausalLM `key` (see MODELS) with seeded values in its dtype, in eval mode."""
+    """The CausalLM `key` (see MODELS, HASHED) with seeded values in its dtype, in eval mode."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, fields, dtype = MODELS[key]
+    model_type, fields, dtype = {**MODELS, **HASHED}[key]
     config = AutoConfig.for_model(model_type, **{**_COMMON, **fields})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -93,3 +111,8 @@ def tensor_hashes(folder: str | Path) -> dict[str, str]:
                 digest = hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
                 out[name] = f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)} {digest}"
     return out
+
+
+def digest(hashes: dict[str, str]) -> str:
+    """One SHA-256 of a `tensor_hashes` dict."""
+    return hashlib.sha256(json.dumps(hashes, sort_keys=True).encode()).hexdigest()

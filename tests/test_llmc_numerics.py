@@ -1,6 +1,7 @@
 """Fp8Config(weight_numerics="llm-compressor"): fp8now.load, fp8now.save and `fp8now quantize` give the bytes
 llm-compressor wrote (tests/fixtures/llmc, made by scripts/llmc_fixtures.py with llm-compressor itself) for
-tiny Llama (bf16 and fp16), Qwen3, Qwen3-MoE and Mixtral checkpoints and the embedded SmolLM2 (issue 40)."""
+tiny Llama (bf16 and fp16), Qwen3, Qwen3-MoE and Mixtral checkpoints, the embedded SmolLM2, and (by hash)
+tiny Qwen2-MoE, OLMoE, DeepSeek-V3 and GPT-OSS checkpoints (issue 40)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ import fp8now
 import llmc_tiny
 from fp8now.linear import Fp8Linear
 from fp8now.moe import Fp8Experts
-from fp8now.moe_files import expert_modules, expert_tensors
+from fp8now.moe_files import PARTS, expert_modules, expert_tensors
 from test_models import embedded_model_dir, needs_gguf
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llmc"
 CASES = [f"{key}-{scheme}" for key in llmc_tiny.MODELS for scheme in ("channel", "block")]
 MOE = {"qwen3_moe", "mixtral"}
+# What llm-compressor quantizes and fp8now leaves alone: Qwen2-MoE's [1, H] shared-expert gate (a router)
+LEFT_ALONE = {"qwen2_moe": {"model.layers.0.mlp.shared_expert_gate.weight"}}
 # llm-compressor 0.14 writes Mixtral's experts as gate/up/down_proj; the family's checkpoints (and fp8now) w1/w3/w2
 MIXTRAL_NAMES = {".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
 
@@ -67,7 +70,10 @@ def fp8_tensors(model) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.dtyp
         if isinstance(m, Fp8Linear):
             out[f"{name}.weight"] = (m.weight, m.weight_scale, m.scale_dtype)
         elif isinstance(m, Fp8Experts):
-            modules = expert_modules(model, name, m.num_experts)
+            try:
+                modules = expert_modules(model, name, m.num_experts)
+            except ValueError:   # fused on disk (GPT-OSS): llm-compressor's linearized modules' names
+                modules = {(e, p): f"{name}.{e}.{p}_proj" for e in range(m.num_experts) for p in PARTS}
             for e in range(m.num_experts):
                 for part, (q, s) in expert_tensors(m, e).items():
                     out[llmc_name(f"{modules[e, part]}.weight")] = (q, s, m.scale_dtype)
@@ -111,6 +117,24 @@ def test_gpu_load_gives_the_same_bytes(inputs):
         check_case(inputs, case, "cuda")
         ours = fp8_tensors(load_case(inputs, case, "llm-compressor-triton", "cuda"))
         assert {n: f"float8_e4m3fn {list(q.shape)} {sha(q)}" for n, (q, _, _) in ours.items()} == recorded[case]
+
+
+@pytest.mark.parametrize("key", list(llmc_tiny.HASHED))
+def test_more_moe_families_give_llm_compressor_hashes(key, tmp_path):
+    """Qwen2-MoE (shared expert), OLMoE, DeepSeek-V3 (shared experts), GPT-OSS (biases, interleaved gate/up)."""
+    recorded = json.loads((FIXTURES / "moe_families.json").read_text())[key]
+    folder = llmc_tiny.write(key, tmp_path)
+    assert llmc_tiny.digest(llmc_tiny.tensor_hashes(folder)) == recorded["inputs_sha256"]
+    for scheme in ("channel", "block"):
+        config = fp8now.Fp8Config(scheme=scheme, weight_numerics="llm-compressor")
+        ours = {}
+        for name, (q, s, scale_dtype) in fp8_tensors(fp8now.load(folder, config, measure_error=False)[0]).items():
+            scale = s.to(scale_dtype)
+            ours[name] = f"float8_e4m3fn {list(q.shape)} {sha(q)}"
+            ours[f"{name}_scale"] = f"bfloat16 {list(scale.shape)} {sha(scale)}"
+        skipped = {n: h for n, h in recorded[scheme].items() if n.removesuffix("_scale") in LEFT_ALONE.get(key, ())}
+        assert any(".experts." in n for n in ours)
+        assert {**ours, **skipped} == recorded[scheme] and not set(ours) & set(skipped)
 
 
 @pytest.mark.parametrize("case", ["llama-channel", "qwen3_moe-block"])
