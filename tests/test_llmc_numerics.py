@@ -119,6 +119,22 @@ def test_gpu_load_gives_the_same_bytes(inputs):
         assert {n: f"float8_e4m3fn {list(q.shape)} {sha(q)}" for n, (q, _, _) in ours.items()} == recorded[case]
 
 
+@pytest.mark.parametrize("case", ["llama-block", "qwen3_moe-channel"])
+def test_from_pretrained_door_gives_llm_compressor_bytes(inputs, case):
+    """transformers' own loader with fp8now.TransformersConfig(weight_numerics=...): the same bytes."""
+    from transformers import AutoModelForCausalLM
+
+    key, scheme = case.rsplit("-", 1)
+    door = fp8now.TransformersConfig(scheme=scheme, weight_numerics="llm-compressor")
+    model = AutoModelForCausalLM.from_pretrained(str(inputs[key]), quantization_config=door, dtype=torch.bfloat16)
+    ref = load_file(str(FIXTURES / case / "model.safetensors"))
+    ours = fp8_tensors(model)
+    assert set(ours) == {k.removesuffix("_scale") for k in ref if k.endswith(".weight_scale")}
+    assert all(scale_dtype == torch.bfloat16 for _, _, scale_dtype in ours.values())
+    assert sum(differing_bytes(q, ref[n], n) + differing_bytes(s.float(), ref[f"{n}_scale"].float(), n)
+               for n, (q, s, _) in ours.items()) == 0
+
+
 @pytest.mark.parametrize("key", list(llmc_tiny.HASHED))
 def test_more_moe_families_give_llm_compressor_hashes(key, tmp_path):
     """Qwen2-MoE (shared expert), OLMoE, DeepSeek-V3 (shared experts), GPT-OSS (biases, interleaved gate/up)."""

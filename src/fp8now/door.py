@@ -39,13 +39,14 @@ class TransformersConfig(QuantizationConfigMixin):
     def __init__(self, scheme: str = "channel", ignore: tuple[str, ...] | list[str] = (),
                  backend: str = "auto", activation: str = "auto", batch_invariant: bool = False,
                  decode_graphs: bool = True, fast_accum: bool = False, head: bool = False,
-                 embedding: bool = False, **kwargs) -> None:
+                 embedding: bool = False, weight_numerics: str = "spec", **kwargs) -> None:
         self.quant_method = METHOD
         self.scheme = str(getattr(scheme, "value", scheme))
         self.ignore = list(ignore) if not isinstance(ignore, str) else ignore
         self.backend, self.activation = backend, activation
         self.batch_invariant, self.decode_graphs = batch_invariant, decode_graphs
         self.fast_accum, self.head, self.embedding = fast_accum, head, embedding
+        self.weight_numerics = weight_numerics
         self.fp8_config()   # validate now, with Fp8Config's errors
         if embedding:
             raise ValueError("TransformersConfig(embedding=True): the from_pretrained door does not store the "
@@ -56,7 +57,8 @@ class TransformersConfig(QuantizationConfigMixin):
         return Fp8Config(scheme=self.scheme, ignore=tuple(self.ignore) if not isinstance(self.ignore, str)
                          else self.ignore, backend=self.backend, activation=self.activation,
                          batch_invariant=self.batch_invariant, decode_graphs=self.decode_graphs,
-                         fast_accum=self.fast_accum, head=self.head, embedding=self.embedding)
+                         fast_accum=self.fast_accum, head=self.head, embedding=self.embedding,
+                         weight_numerics=self.weight_numerics)
 
 
 class _QuantizeOnLoad(ConversionOps):
