@@ -119,6 +119,23 @@ def test_gpu_load_gives_the_same_bytes(inputs):
         assert {n: f"float8_e4m3fn {list(q.shape)} {sha(q)}" for n, (q, _, _) in ours.items()} == recorded[case]
 
 
+@pytest.mark.parametrize("case", ["llama-channel", "qwen3_moe-block"])
+def test_reload_keeps_the_numerics(inputs, case):
+    """reload_weights (RL refit) re-quantizes with the layers' numerics: new weights, then the original ones
+    again, give llm-compressor's bytes in the same storage."""
+    model = load_case(inputs, case)
+    key = case.rsplit("-", 1)[0]
+    original = load_file(str(inputs[key] / "model.safetensors"))
+    before = {n: q.data_ptr() for n, (q, _, _) in fp8_tensors(model).items()}
+    fp8now.reload_weights(model, {k: (2 * v if v.dim() == 2 else v) for k, v in original.items()})
+    fp8now.reload_weights(model, original)
+    ref = load_file(str(FIXTURES / case / "model.safetensors"))
+    ours = fp8_tensors(model)
+    assert {n: q.data_ptr() for n, (q, _, _) in ours.items()} == before
+    assert sum(differing_bytes(q, ref[n], n) + differing_bytes(s.float(), ref[f"{n}_scale"].float(), n)
+               for n, (q, s, _) in ours.items()) == 0
+
+
 @pytest.mark.parametrize("case", ["llama-block", "qwen3_moe-channel"])
 def test_from_pretrained_door_gives_llm_compressor_bytes(inputs, case):
     """transformers' own loader with fp8now.TransformersConfig(weight_numerics=...): the same bytes."""
