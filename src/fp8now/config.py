@@ -12,6 +12,16 @@ BACKEND_NAMES = ("auto", "reference", "cpu", "torch", "triton", "triton-w8a16")
 # Activation quantization a user may force; "auto" takes the scheme's default (SPEC §3 table).
 ACTIVATION_NAMES = ("auto", "token", "tensor", "group")
 
+# How weights become FP8 bytes and scales (Fp8Config.weight_numerics) -> what it is. The llm-compressor
+# rules exist for its data-free presets only: FP8_DYNAMIC (channel) and FP8_BLOCK (block).
+WEIGHT_NUMERICS: dict[str, str] = {
+    "spec": "the SPEC's float32 rules (SPEC §4)",
+    "llm-compressor": "llm-compressor's bytes: scales in the weight's dtype, the quotient rounded to it before "
+                      "FP8 (its torch ops: what it writes on a CPU or a GPU before Hopper)",
+    "llm-compressor-triton": "llm-compressor's bytes when it ran on a Hopper or newer GPU with Triton "
+                             "(the same scales, the quotient in float32)",
+}
+
 
 class Scheme(str, Enum):
     """A pair of group shapes: which weight and activation elements share one scale."""
@@ -24,6 +34,9 @@ class Scheme(str, Enum):
     def parse(cls, name: str | Scheme) -> Scheme:
         """The weight scheme of any accepted name: `Scheme.parse("ptpc") is Scheme.CHANNEL`."""
         return name if isinstance(name, Scheme) else parse_scheme_name(name)[0]
+
+# The schemes of llm-compressor's data-free presets, FP8_DYNAMIC and FP8_BLOCK (weight_numerics other than spec).
+LLMC_SCHEMES = (Scheme.CHANNEL, Scheme.BLOCK)
 
 # Group shapes (rows, cols) of one scale; -1 spans the whole dimension.
 #   weight [N, K]: tensor (-1, -1) -> scale [];  channel (1, -1) -> [N, 1];  block (128, 128) -> [N/128, K/128]
@@ -152,6 +165,10 @@ class Fp8Config:
         promoting every K-block's product to float32: faster, fewer accurate bits. Only GPU backends
         with FP8 tensor cores have it (others refuse); `block` refuses it (see FAST_ACCUM_BLOCK).
         Routed experts (Fp8Experts) do not use it.
+    weight_numerics: "spec" (SPEC §4: float32 scales and division), or "llm-compressor" /
+        "llm-compressor-triton": the FP8 bytes and scales llm-compressor's data-free FP8_DYNAMIC (channel)
+        and FP8_BLOCK (block) write (fp8now.numerics_llmc; scales kept in the weight's dtype, which
+        fp8now.save writes). Computed with torch ops on every device.
     """
 
     scheme: Scheme = Scheme.CHANNEL
@@ -165,6 +182,7 @@ class Fp8Config:
     decode_graphs: bool = True
     tp_invariant: bool = False
     fast_accum: bool = False
+    weight_numerics: str = "spec"
 
     def __post_init__(self) -> None:
         scheme, activation = _named_activation("scheme", self.scheme, self.activation)
@@ -197,11 +215,24 @@ class Fp8Config:
         for flag in ("fast_accum", "head", "embedding"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"Fp8Config.{flag} must be True or False, got {getattr(self, flag)!r}")
+        self._check_numerics()
         if self.fast_accum and self.scheme is Scheme.BLOCK:
             raise ValueError(f"fast_accum=True does not apply to scheme 'block': {FAST_ACCUM_BLOCK}")
         if self.batch_invariant and self.activation == "tensor":
             raise ValueError("batch_invariant=True needs per-token or per-group activation scales, "
                              "not activation='tensor' (one scale over the batch couples its rows)")
+
+    def _check_numerics(self) -> None:
+        if self.weight_numerics not in WEIGHT_NUMERICS:
+            raise ValueError(f"unknown weight_numerics {self.weight_numerics!r}; valid: {', '.join(WEIGHT_NUMERICS)}")
+        if self.weight_numerics == "spec":
+            return
+        for field, scheme in (("scheme", self.scheme), ("moe_scheme", self.expert_scheme)):
+            if scheme not in LLMC_SCHEMES:
+                raise ValueError(f"weight_numerics={self.weight_numerics!r} covers llm-compressor's data-free "
+                                 f"presets FP8_DYNAMIC (scheme channel) and FP8_BLOCK (block), not {field} "
+                                 f"{scheme.value!r} (its per-tensor FP8 preset calibrates static activation "
+                                 "scales on data); use scheme channel or block, or weight_numerics='spec'")
 
     def act_kind(self, scheme: Scheme | None = None) -> str:
         """The activation quantization used for `scheme` (default: the dense scheme)."""

@@ -2,7 +2,8 @@
 
 Every check runs before the first byte is written; files go to a hidden sibling folder that is renamed
 into place at the end, so `out_dir` appears complete or not at all. Scales are stored as float32, the
-exact values the FP8 bytes were computed with.
+exact values the FP8 bytes were computed with; under llm-compressor numerics in the weights' dtype (bf16), as
+llm-compressor stores them, with its quantization_config fields.
 """
 
 from __future__ import annotations
@@ -39,20 +40,27 @@ EMBEDDING_REFUSED = ("{what}, and no standard checkpoint format (compressed-tens
                      "head (head=True) exports as an ordinary quantized linear")
 
 
+def _scale_dtype(layer: Fp8Linear | Fp8Experts, fmt: str) -> torch.dtype:
+    """On-disk scale dtype: the layer's (llm-compressor numerics: the weight's) in compressed-tensors files,
+    float32 in "fp8" ones (transformers' FineGrainedFP8 format has float32 scales)."""
+    return layer.scale_dtype if fmt == "compressed-tensors" else torch.float32
+
+
 def _linear_tensors(model: nn.Module, name: str, layer: Fp8Linear, fmt: str) -> Tensors:
-    """An Fp8Linear's on-disk tensors: FP8 weight, float32 scale under the format's name, bias."""
+    """An Fp8Linear's on-disk tensors: FP8 weight, scale under the format's name (float32, or the weight's
+    dtype under llm-compressor numerics: exact either way), bias."""
     scale = layer.weight_scale.detach()
     if scale.ndim == 0:
         scale = scale.reshape(1)   # compressed-tensors' per-tensor shape
     yield f"{name}.weight", layer.weight.detach()
-    yield f"{name}.{SCALE_LEAF[fmt]}", scale.float()
+    yield f"{name}.{SCALE_LEAF[fmt]}", scale.to(_scale_dtype(layer, fmt))
     if layer.bias is not None:
         yield f"{name}.bias", layer.bias.detach()
 
 
 def _experts_tensors(model: nn.Module, name: str, layer: Fp8Experts, fmt: str) -> Tensors:
-    """Fp8Experts' on-disk tensors: per expert and projection, FP8 weight and float32 scale under the
-    family's checkpoint names (moe_files), padding cropped."""
+    """Fp8Experts' on-disk tensors: per expert and projection, FP8 weight and scale (float32, or the weight's
+    dtype under llm-compressor numerics) under the family's checkpoint names (moe_files), padding cropped."""
     if layer.w13_bias is not None:
         raise ValueError(f"{name}: experts with biases have no per-expert FP8 layout in fp8now yet; keep them "
                          f"in high precision (Fp8Config.ignore=[..., {name!r}])")
@@ -60,7 +68,7 @@ def _experts_tensors(model: nn.Module, name: str, layer: Fp8Experts, fmt: str) -
     for e in range(layer.num_experts):
         for part, (q, s) in expert_tensors(layer, e).items():
             yield f"{modules[e, part]}.weight", q.detach()
-            yield f"{modules[e, part]}.{SCALE_LEAF[fmt]}", s.detach().float()
+            yield f"{modules[e, part]}.{SCALE_LEAF[fmt]}", s.detach().to(_scale_dtype(layer, fmt))
 
 
 # Module type -> its tensors on disk, as (model, module name, module, format) -> (key, tensor)s, under the
@@ -95,6 +103,12 @@ def _quantized(model: nn.Module) -> tuple[dict[tuple, list[str]], list[str]]:
     for key, names in experts.items():
         groups.setdefault(key, []).extend(names)
     return groups, checkpoint_module_names(model, left)
+
+
+def _numerics(model: nn.Module) -> str:
+    """The weight numerics of the model's FP8 layers (llm-compressor's as soon as one layer has them)."""
+    found = {m.weight_numerics for m in model.modules() if isinstance(m, (Fp8Linear, Fp8Experts))}
+    return next((n for n in sorted(found) if n != "spec"), "spec")
 
 
 def _named_tensors(model: nn.Module, fmt: str) -> list[tuple[str, torch.Tensor]]:
@@ -198,7 +212,7 @@ def save(model: nn.Module, out_dir: str | Path, format: str = "compressed-tensor
                          "before saving")
     for (scheme, act), names in groups.items():
         check_expressible(fmt, scheme, act, f"layer {names[0]}")
-    qconfig = quantization_config(fmt, groups, left)
+    qconfig = quantization_config(fmt, groups, left, _numerics(model))
     shards = _shards(_named_tensors(model, fmt), max_shard_bytes)
     if source is None:
         source = getattr(getattr(model, "config", None), "_name_or_path", None) or None

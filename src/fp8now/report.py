@@ -69,6 +69,7 @@ class LoadReport:
     None where Python has no `resource` module (Windows).
     cpu_quantizer: the activation quantizer of the cpu backend's layers per kind (`cpu_quantizer.install`);
     None without such layers.
+    weight_numerics: Fp8Config.weight_numerics ("spec", or llm-compressor's rules), named in the summary.
     """
 
     source: str
@@ -89,6 +90,7 @@ class LoadReport:
     device_bytes_at_start: int | None = None
     peak_host_rss_bytes: int | None = 0
     cpu_quantizer: str | None = None
+    weight_numerics: str = "spec"
 
     @property
     def quantized(self) -> list[str]:
@@ -125,7 +127,8 @@ class LoadReport:
         experts = "" if not self.experts else (
             f" and {len(self.experts)} experts modules ({sum(r.num_experts for r in self.experts)} experts, "
             f"{'/'.join(sorted({r.scheme for r in self.experts}))})")
-        lines = [f"quantized {len(self.layers)} layers ({self.scheme}){experts}: {_mib(self.bf16_bytes)} bf16 -> "
+        numerics = "" if self.weight_numerics == "spec" else f", {self.weight_numerics} numerics"
+        lines = [f"quantized {len(self.layers)} layers ({self.scheme}{numerics}){experts}: {_mib(self.bf16_bytes)} bf16 -> "
                 f"{_mib(self.fp8_bytes)} fp8 incl. scales ({ratio:.2f}x smaller); whole model "
                 f"{_mib(self.model_bytes)} on {self.device}"
                 + (f" + {_mib(self.work_bytes)} of backend working copies" if self.work_bytes else ""),

@@ -23,11 +23,13 @@ def bf16_loader(folder: Path, device: torch.device) -> tuple[nn.Module, None]:
     return load_bf16(folder, device), None
 
 
-def fp8now_loader(scheme: str, fast_accum: bool = False, head: bool = False, embedding: bool = False) -> Loader:
+def fp8now_loader(scheme: str, fast_accum: bool = False, head: bool = False, embedding: bool = False,
+                  weight_numerics: str = "spec") -> Loader:
     """fp8now.load of the folder with `scheme` and those Fp8Config fields (no per-layer error measurement:
     it is not part of a load); its `warm` compiles the weight quantizer for the model's weight shapes
     first, untimed."""
-    config = Fp8Config(scheme=scheme, fast_accum=fast_accum, head=head, embedding=embedding)
+    config = Fp8Config(scheme=scheme, fast_accum=fast_accum, head=head, embedding=embedding,
+                       weight_numerics=weight_numerics)
 
     def load(folder: Path, device: torch.device):
         from ..loading.load import load as fp8_load
@@ -45,7 +47,8 @@ def fp8now_loader(scheme: str, fast_accum: bool = False, head: bool = False, emb
         shapes = {tuple(m.weight.shape) for m in target_linears(skeleton, config)[0].values()}
         shapes |= {tuple(p.shape[1:]) for p in skeleton.parameters() if p.dim() == 3}   # fused experts
         for shape in sorted(shapes):
-            quantize_weight(0.02 * torch.randn(shape, device=device, dtype=torch.bfloat16), config.scheme)
+            quantize_weight(0.02 * torch.randn(shape, device=device, dtype=torch.bfloat16), config.scheme, None,
+                            config.weight_numerics)
         if config.embedding:   # the embedding's per-row quantization (numerics' channel rule)
             emb = skeleton.get_input_embeddings().weight
             quantize_weight(0.02 * torch.randn(emb.shape, device=device, dtype=torch.bfloat16), "channel")

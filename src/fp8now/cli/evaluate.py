@@ -35,10 +35,11 @@ ALL_SCHEMES = ("channel", "block", "tensor", "tensor-tensor")
 BUNDLED_TEXT = "licenses.txt"
 
 
-def scheme_config(name: str, fast_accum: bool = False, head: bool = False, embedding: bool = False
-                  ) -> tuple[str, Fp8Config]:
+def scheme_config(name: str, fast_accum: bool = False, head: bool = False, embedding: bool = False,
+                  weight_numerics: str = "spec") -> tuple[str, Fp8Config]:
     """(fp8now's name, config) for any scheme name config.py accepts, e.g. `ptpc` -> `channel`."""
-    config = Fp8Config(scheme=name, fast_accum=fast_accum, head=head, embedding=embedding)
+    config = Fp8Config(scheme=name, fast_accum=fast_accum, head=head, embedding=embedding,
+                       weight_numerics=weight_numerics)
     return scheme_key(config.scheme, config.act_kind()), config
 
 
@@ -191,7 +192,7 @@ def load_bf16(model_dir: Path, device: torch.device) -> nn.Module:
 def evaluate(model_dir: str | os.PathLike, schemes: Sequence[str], text: str, *,
              max_tokens: int | None = None, seq_len: int = 512, device: torch.device | str | None = None,
              batch_size: int = 4, progress: bool = True, text_name: str = "text", fast_accum: bool = False,
-             head: bool = False, embedding: bool = False) -> dict:
+             head: bool = False, embedding: bool = False, weight_numerics: str = "spec") -> dict:
     """Compare the bf16 model with its FP8 versions on `text`.
 
     Returns `{"model", "device", "text": {"name", "tokens", "windows", "seq_len", "predicted"},
@@ -200,7 +201,7 @@ def evaluate(model_dir: str | os.PathLike, schemes: Sequence[str], text: str, *,
     per predicted token, `top1` the fraction of positions where both argmaxes agree, each with `_se`.
     `load_report` is `LoadReport.to_dict()` without its `layers` (they are under `layers`).
     Scheme keys: "channel", "block", "tensor", "tensor-tensor" (any name config.py accepts, and "all").
-    `fast_accum`, `head`, `embedding`: every FP8 model with those Fp8Config fields.
+    `fast_accum`, `head`, `embedding`, `weight_numerics`: every FP8 model with those Fp8Config fields.
     """
     from tqdm.auto import tqdm
 
@@ -208,7 +209,7 @@ def evaluate(model_dir: str | os.PathLike, schemes: Sequence[str], text: str, *,
 
     model_dir = Path(model_dir)
     keys = expand_schemes(schemes)
-    configs = {k: scheme_config(k, fast_accum, head, embedding)[1] for k in keys}
+    configs = {k: scheme_config(k, fast_accum, head, embedding, weight_numerics)[1] for k in keys}
     device = resolve_device(device)
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -249,4 +250,5 @@ def evaluate(model_dir: str | os.PathLike, schemes: Sequence[str], text: str, *,
 def config_dict(config: Fp8Config) -> dict:
     """The parts of a config that say what ran (the JSON output's "config")."""
     return {"scheme": config.scheme.value, "activation": config.act_kind(), "backend": config.backend,
-            "fast_accum": config.fast_accum, "head": config.head, "embedding": config.embedding}
+            "fast_accum": config.fast_accum, "head": config.head, "embedding": config.embedding,
+            "weight_numerics": config.weight_numerics}

@@ -39,13 +39,14 @@ class TransformersConfig(QuantizationConfigMixin):
     def __init__(self, scheme: str = "channel", ignore: tuple[str, ...] | list[str] = (),
                  backend: str = "auto", activation: str = "auto", batch_invariant: bool = False,
                  decode_graphs: bool = True, fast_accum: bool = False, head: bool = False,
-                 embedding: bool = False, **kwargs) -> None:
+                 embedding: bool = False, weight_numerics: str = "spec", **kwargs) -> None:
         self.quant_method = METHOD
         self.scheme = str(getattr(scheme, "value", scheme))
         self.ignore = list(ignore) if not isinstance(ignore, str) else ignore
         self.backend, self.activation = backend, activation
         self.batch_invariant, self.decode_graphs = batch_invariant, decode_graphs
         self.fast_accum, self.head, self.embedding = fast_accum, head, embedding
+        self.weight_numerics = weight_numerics
         self.fp8_config()   # validate now, with Fp8Config's errors
         if embedding:
             raise ValueError("TransformersConfig(embedding=True): the from_pretrained door does not store the "
@@ -56,7 +57,8 @@ class TransformersConfig(QuantizationConfigMixin):
         return Fp8Config(scheme=self.scheme, ignore=tuple(self.ignore) if not isinstance(self.ignore, str)
                          else self.ignore, backend=self.backend, activation=self.activation,
                          batch_invariant=self.batch_invariant, decode_graphs=self.decode_graphs,
-                         fast_accum=self.fast_accum, head=self.head, embedding=self.embedding)
+                         fast_accum=self.fast_accum, head=self.head, embedding=self.embedding,
+                         weight_numerics=self.weight_numerics)
 
 
 class _QuantizeOnLoad(ConversionOps):
@@ -75,9 +77,10 @@ class _QuantizeOnLoad(ConversionOps):
             if isinstance(layer, Fp8Experts):
                 out.update(self._experts(prefix, leaf, layer, w))
                 continue
-            q, s = quantize_weight(w, layer.scheme, name=layer.name or None)
+            q, s = quantize_weight(w, layer.scheme, layer.name or None, layer.weight_numerics)
+            layer.scale_dtype = s.dtype   # llm-compressor numerics: the weight's dtype (what save writes)
             out[key] = q
-            out[f"{prefix}.weight_scale"] = s.reshape(layer.weight_scale.shape)
+            out[f"{prefix}.weight_scale"] = s.float().reshape(layer.weight_scale.shape)
         return out
 
     def _experts(self, prefix: str, leaf: str, layer: Fp8Experts, t: torch.Tensor) -> dict[str, torch.Tensor]:

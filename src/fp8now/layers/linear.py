@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from . import decode_graphs
-from .. import numerics
 from ..config import Fp8Config, Scheme
 from ..kernels import backend_module, device_class, pick_backend, quantize_weight, workspace
 from ..kernels.plan import Path, Table, Weights, plan
@@ -82,6 +81,8 @@ class Fp8Linear(nn.Module):
         self.forced_backend: str = config.backend
         self.batch_invariant: bool = config.batch_invariant
         self.fast_accum: bool = config.fast_accum
+        self.weight_numerics: str = config.weight_numerics
+        self.scale_dtype: torch.dtype = torch.float32   # the dtype its rule gave the scale: what save writes
         self.use_decode_graphs: bool = config.decode_graphs
         self._graphs: decode_graphs.DecodeGraphs | None = None
         self._graph_rows = 0
@@ -142,10 +143,8 @@ class Fp8Linear(nn.Module):
                                  "(nothing of this layer was written)")
         device = w.device if self.weight.is_meta else self.weight.device
         w = w.to(device)
-        if amax is None:
-            q, s = quantize_weight(w, self.scheme, name=self.name or None, checked=checked)
-        else:
-            q, s = numerics.quantize_weight(w, self.scheme, name=self.name or None, amax=amax)
+        q, s = quantize_weight(w, self.scheme, self.name or None, self.weight_numerics, amax, checked)
+        self.scale_dtype, s = s.dtype, s.float()   # float32 holds llm-compressor's bf16 scales exactly
         if self.weight.is_meta:
             self.weight = nn.Parameter(q, requires_grad=False)
             self.weight_scale = nn.Parameter(s.reshape(self.weight_scale.shape), requires_grad=False)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import numerics
 from ..config import Fp8Config, Scheme
 from .decode_graphs import DecodeGraphs
 from .finite import NonFiniteExperts, nonfinite_slices
@@ -90,6 +89,7 @@ class Fp8Experts(nn.Module):
         self.name = name
         self.split = split   # this rank's part of a tensor-parallel layer (tp_moe): moe_backends.SPLIT_BACKENDS
         self.forced_backend, self.batch_invariant = config.backend, config.batch_invariant
+        self.weight_numerics, self.scale_dtype = config.weight_numerics, torch.float32
         self.graphs = DecodeGraphs() if config.decode_graphs else None   # triton: small-T calls replayed
         self.hf_layout = None   # set by hf_moe: how transformers stores these experts (for reload_weights)
         self.backend: str | None = None
@@ -161,10 +161,9 @@ class Fp8Experts(nn.Module):
             q_all, s_all = getattr(self, leaf), getattr(self, leaf + "_scale")
             for x in range(e):
                 what = f"{self.name}.{leaf}[{x}]"
-                if amax is None or leaf not in amax:
-                    q, s = quantize_weight(w[x], self.scheme, name=what)
-                else:
-                    q, s = numerics.quantize_weight(w[x], self.scheme, name=what, amax=amax[leaf][x])
+                given = None if amax is None or leaf not in amax else amax[leaf][x]
+                q, s = quantize_weight(w[x], self.scheme, what, self.weight_numerics, given)
+                self.scale_dtype = s.dtype   # llm-compressor's: the weight's dtype (float32 holds it exactly)
                 q_all.data[x].copy_(q)
                 s_all.data[x].copy_(s.reshape(s_all.shape[1:]))
         if has_bias:

@@ -61,10 +61,21 @@ def _ct_args(strategy: str, dynamic: bool, **extra) -> dict:
             "group_size": None, **extra}
 
 
-def quantization_config(fmt: str, groups: dict[tuple[Scheme, str], list[str]], left_alone: list[str]
-                        ) -> dict:
+# The fields llm-compressor 0.14 writes besides those above (weight_numerics other than "spec"): each
+# quantization args' defaults, the weights' observer, and two top-level entries (no "version": that names
+# the compressed-tensors release which wrote the file, and none did here).
+LLMC_ARGS = {"actorder": None, "block_structure": None, "observer": None, "observer_kwargs": {},
+             "scale_dtype": None, "zp_dtype": None}
+LLMC_WEIGHT_OBSERVER = "memoryless_minmax"
+LLMC_TOP = {"global_compression_ratio": None, "transform_config": {}}
+
+
+def quantization_config(fmt: str, groups: dict[tuple[Scheme, str], list[str]], left_alone: list[str],
+                        numerics: str = "spec") -> dict:
     """config.json's `quantization_config` for layers grouped by (scheme, act); `left_alone`: linears kept
-    in high precision. One group targets every `Linear`; several groups target their layers by name."""
+    in high precision. One group targets every `Linear`; several groups target their layers by name.
+    `numerics` other than "spec" (llm-compressor's): compressed-tensors with every field llm-compressor writes."""
+    llmc = numerics != "spec"
     if fmt == "fp8":
         if len(groups) != 1:
             raise ValueError(f"format 'fp8' holds one scheme per checkpoint, the model has {len(groups)}")
@@ -79,12 +90,16 @@ def quantization_config(fmt: str, groups: dict[tuple[Scheme, str], list[str]], l
         acts = _ct_args(_CT_ACT[act], True)
         if act == "group":
             acts["group_size"] = BLOCK
+        if llmc:
+            weights = {**LLMC_ARGS, **weights, "observer": LLMC_WEIGHT_OBSERVER}
+            acts = {**LLMC_ARGS, **acts}
         targets = ["Linear"] if len(groups) == 1 else sorted(names)
         config_groups[f"group_{i}"] = {"targets": targets, "weights": weights, "input_activations": acts,
                                        "output_activations": None, "format": "float-quantized"}
     return {"quant_method": "compressed-tensors", "format": "float-quantized",
             "quantization_status": "compressed", "config_groups": config_groups,
-            "ignore": sorted(left_alone), "kv_cache_scheme": None, "sparsity_config": {}}
+            "ignore": sorted(left_alone), "kv_cache_scheme": None, "sparsity_config": {},
+            **(LLMC_TOP if llmc else {})}
 
 
 @dataclass(frozen=True)

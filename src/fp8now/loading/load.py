@@ -81,7 +81,8 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
     stream_files(plan, source, sinks)
     finish(model, device, str(model_dir))
     share_inputs(model)
-    report = build_report(model, sinks.rows, plan.ignored, what, device, dtype, plan.scheme)
+    report = build_report(model, sinks.rows, plan.ignored, what, device, dtype, plan.scheme,
+                          plan.weight_numerics)
     report.cpu_quantizer = install_cpu_quantizer(model, dtype)
     add_experts(report, model, plan.experts.rows if plan.experts is not None else plan.adopted.experts.rows)
     report.skipped_tensors = sinks.skipped

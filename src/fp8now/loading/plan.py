@@ -37,6 +37,7 @@ class Plan:
     explicit: dict[str, Dest] = field(default_factory=dict)
     tp: TpState | None = None
     scheme: str = ""   # the scheme the report shows (a pre-quantized checkpoint: its first FP8 layer's)
+    weight_numerics: str = "spec"   # the rules the weights were quantized by (Fp8Config.weight_numerics)
 
     @property
     def prefix(self) -> str:
@@ -79,7 +80,7 @@ def plan_quantize(model: nn.Module, config: Fp8Config, where: str, dtype: torch.
         experts.tp = tp.moe
     experts.add_slots(slots)
     plan = Plan(model, slots, alias_of, computed, ignored + experts_ignored, experts, tp=tp,
-                scheme=config.scheme.value)
+                scheme=config.scheme.value, weight_numerics=config.weight_numerics)
     plan.keep_fp32()
     return plan
 

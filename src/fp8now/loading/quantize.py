@@ -72,7 +72,8 @@ def quantize_(model: nn.Module, config: Fp8Config | None = None, *,
     share_inputs(model)
     layers = [m for m in model.modules() if isinstance(m, (Fp8Linear, Fp8Experts)) and m.is_loaded]
     device = next((p.device for m in layers for p in m.parameters()), torch.device("cpu"))
-    report = build_report(model, sinks.rows, plan.ignored, type(model).__name__, device, dtype, plan.scheme)
+    report = build_report(model, sinks.rows, plan.ignored, type(model).__name__, device, dtype, plan.scheme,
+                          plan.weight_numerics)
     report.cpu_quantizer = install_cpu_quantizer(model, dtype)
     add_experts(report, model, plan.experts.rows)
     report.load_s = time.perf_counter() - start

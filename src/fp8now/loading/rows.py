@@ -87,7 +87,7 @@ def experts_row(layer: Fp8Experts, w13: torch.Tensor, w2: torch.Tensor, pending:
 
 
 def build_report(model: nn.Module, rows: list[LayerRow], ignored: list[tuple[str, str]], source: str,
-                 device: torch.device, dtype: torch.dtype, scheme: str) -> LoadReport:
+                 device: torch.device, dtype: torch.dtype, scheme: str, weight_numerics: str = "spec") -> LoadReport:
     """The report of a load: its rows in model order (a tied FP8 embedding shows its head's figures), the
     bytes of the FP8 layers and of the whole model, the backends' working copies, the host's peak."""
     layers = {name: m for name, m in model.named_modules() if isinstance(m, (Fp8Linear, Fp8Embedding))}
@@ -97,7 +97,7 @@ def build_report(model: nn.Module, rows: list[LayerRow], ignored: list[tuple[str
                    if isinstance(m, Fp8Embedding) and m.tied_to in by_name and m.name not in by_name]
     rows = sorted(rows, key=lambda row: order[row.name])
     report = LoadReport(source=source, device=str(device), dtype=str(dtype).removeprefix("torch."),
-                        scheme=scheme, layers=rows, ignored=ignored)
+                        scheme=scheme, layers=rows, ignored=ignored, weight_numerics=weight_numerics)
     for row in rows:
         layer = layers[row.name]
         if isinstance(layer, Fp8Embedding) and layer.tied_to is not None:
