@@ -45,3 +45,18 @@ def pick_expert_backend(device: torch.device, experts: Fp8Experts, forced: str =
         reasons.append(f"{name}: {why}")
     raise RuntimeError(f"{experts.name or 'experts'}: no experts backend fits on {device}; rejected: "
                        + "; ".join(reasons) + ". Choose another backend= or ignore the experts.")
+
+
+def expert_workspace(experts: Fp8Experts) -> torch.Tensor | None:
+    """The scratch a loaded layer keeps for its backend's calls (the triton backend's combine counters,
+    zero between calls), or None. The one it has when that fits (a reload keeps its address, so that
+    captured CUDA graphs stay valid)."""
+    if experts.backend != "triton":
+        return None
+    from .kernels.triton_moe_direct import direct_counters
+    fresh = direct_counters(experts.h_pad, experts.w13.device)
+    old = experts.workspace
+    if old is not None and (old.device, old.dtype, old.shape) == (fresh.device, fresh.dtype, fresh.shape):
+        return old
+    return fresh
+
