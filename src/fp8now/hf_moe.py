@@ -20,6 +20,7 @@ from .config import Fp8Config
 from .hf import match_ignore, set_submodule
 from .linear import Fp8Linear
 from .moe import Fp8Experts
+from .moe_backends import expert_plan_names
 from .report import ExpertsRow, LoadReport
 from .weight_error import weight_error
 
@@ -128,7 +129,8 @@ def experts_row(layer: Fp8Experts, w13: torch.Tensor, w2: torch.Tensor, measure:
     return ExpertsRow(layer.name, layer.num_experts, layer.hidden_size, layer.intermediate_size,
                       layer.scheme.value, layer.backend or "?", layer.w13_bias is not None,
                       min(per_expert) if per_expert else None,
-                      statistics.median(per_expert) if per_expert else None, layer.act_kind)
+                      statistics.median(per_expert) if per_expert else None, layer.act_kind,
+                      expert_plan_names(layer))
 
 
 def quantize_experts_(model: nn.Module, config: Fp8Config, measure: bool = True

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .kernels import cpu, device_class
+from .kernels.plan import moe_plan
 
 if TYPE_CHECKING:
     from .moe import Fp8Experts
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 EXPERT_BACKENDS = ("auto", "triton", "cpu", "reference")
 EXPERT_TABLE = {"cuda-fp8": ("triton", "reference"), "cuda": ("reference",), "cpu": ("cpu", "reference")}
 SPLIT_BACKENDS = ("cpu", "reference")
+PLAN_SLOTS = (8, 512, 16384)   # routed slots per call the report shows a plan for: decode, the direct bound, prefill
 
 
 def expert_backend_reason(name: str, device: torch.device, experts: Fp8Experts) -> str | None:
@@ -60,3 +62,12 @@ def expert_workspace(experts: Fp8Experts) -> torch.Tensor | None:
         return old
     return fresh
 
+
+def expert_plan_names(experts: Fp8Experts) -> dict[str, str]:
+    """The triton backend's path at each of PLAN_SLOTS routed slots per call (the plan depends on the slots,
+    T x top-k, and E only), or {} for a backend without a per-call plan."""
+    if experts.backend != "triton":
+        return {}
+    dclass = device_class(experts.w13.device)
+    return {str(s): moe_plan(experts.scheme, s, 1, experts.num_experts, dclass, experts.batch_invariant).name
+            for s in PLAN_SLOTS}
