@@ -14,9 +14,14 @@ MODEL: a checkpoint folder, `smollm2` (the embedded model, real weights), or a p
     PYTHONPATH=src python benchmarks/bench_model.py tiny --device cpu --out model.json   # CPU smoke
 
 Implementations: bf16, fp8now-<scheme> per --schemes (with --full also fp8now-<scheme>-full: lm_head and the
-input embedding in FP8 too, Fp8Config(head=True, embedding=True)), and with --torchao `torchao-row` (its default
-fast accumulation) and `torchao-row-f32acc` (float32 accumulation), quantizing the same linears fp8now
-does (not lm_head, routers, or transformers' fused expert tensors, which are no nn.Linear). The bf16
+input embedding in FP8 too, Fp8Config(head=True, embedding=True)), and with --torchao torchao's float8 dynamic
+per-row peers (torchao 0.18: `Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), mm_config=
+Float8MMConfig(use_fast_accum=...))`), quantizing the same linears fp8now does (not lm_head, routers, or
+transformers' fused expert tensors, which are no nn.Linear): `torchao-row` (its default fast accumulation)
+and `torchao-row-f32acc` (float32 accumulation), each eager and under torch.compile (`-compiled`: the
+model's forward compiled in torch.compile's default mode, as torchao recommends using it; no CUDA graphs
+of its own, so its decode step is replayed from the same CUDA graph as every other row's; prefill shapes
+compile on their first, untimed call). `--torchao-compile` picks eager, compiled or both. The bf16
 logits of the accuracy prompts are kept in --workdir, so a run split with --impls compares every
 implementation against the same reference.
 """
@@ -40,9 +45,15 @@ from timing import kernels_of
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def torchao_loader(fast_accum: bool):
+# --torchao-compile -> (name suffix, compiled) of the torchao peers
+TORCHAO_COMPILE = {"eager": (("", False),), "compiled": (("-compiled", True),),
+                   "both": (("", False), ("-compiled", True))}
+
+
+def torchao_loader(fast_accum: bool, compiled: bool = False):
     """bf16 `from_pretrained`, then torchao's float8 dynamic per-row quantize_ of fp8now's target linears
-    (the load time includes both)."""
+    (the load time includes both), then, if `compiled`, torch.compile of the model's forward (its
+    compilation happens at the first call of each shape, which every measurement leaves untimed)."""
     def load(folder: Path, device: torch.device):
         from torchao.float8.inference import Float8MMConfig
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, quantize_
@@ -57,6 +68,8 @@ def torchao_loader(fast_accum: bool):
         quantize_(model, Float8DynamicActivationFloat8WeightConfig(
             granularity=PerRow(), mm_config=Float8MMConfig(use_fast_accum=fast_accum)),
             filter_fn=lambda module, fqn: fqn in targets)
+        if compiled:
+            model.forward = torch.compile(model.forward)
         return model, None
     return load
 
@@ -96,7 +109,9 @@ def implementations(args) -> dict:
     if args.full:         # Fp8Config(head=True, embedding=True): lm_head and the embedding in FP8 too
         impls.update({f"fp8now-{s}-full": fp8now_loader(s, head=True, embedding=True) for s in schemes})
     if args.torchao:
-        impls.update({f"torchao-row{suffix}": torchao_loader(fast) for suffix, fast in TORCHAO_ACCUM[args.torchao_accum]})
+        impls.update({f"torchao-row{accum}{how}": torchao_loader(fast, compiled)
+                      for how, compiled in TORCHAO_COMPILE[args.torchao_compile]
+                      for accum, fast in TORCHAO_ACCUM[args.torchao_accum]})
     if not args.impls:
         return impls
     wanted = [v.strip() for v in args.impls.split(",") if v.strip()]
@@ -134,6 +149,8 @@ def main() -> None:
     ap.add_argument("--torchao", action="store_true", help="add torchao's float8 per-row peers")
     ap.add_argument("--torchao-accum", default="both", choices=sorted(TORCHAO_ACCUM),
                     help="torchao-row (fast, its default), torchao-row-f32acc (f32), or both (default)")
+    ap.add_argument("--torchao-compile", default="both", choices=sorted(TORCHAO_COMPILE),
+                    help="the torchao peers eager, under torch.compile (-compiled), or both (default)")
     ap.add_argument("--fast-accum", action="store_true",
                     help="also fp8now-<scheme>-fast: tensor / channel with Fp8Config(fast_accum=True)")
     ap.add_argument("--full", action="store_true",

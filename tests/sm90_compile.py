@@ -24,6 +24,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from fp8now.kernels import triton_block as tb, triton_decode as td, triton_gemv as tv, triton_quant as tq  # noqa: E402
 from fp8now.kernels import triton_rowwise as tr, triton_splitk as tk, triton_w8a16 as t8, triton_wquant as tw  # noqa: E402
 from fp8now.kernels import moe_align as ma, plan as kp, triton_moe as tm, triton_moe_act as ta  # noqa: E402
+from fp8now.kernels import triton_moe_direct as md  # noqa: E402
 from fp8now.numerics import E4M3FN, GROUP_AMAX_FLOOR  # noqa: E402
 
 FP8, F32, BF16, I32 = "*fp8e4nv", "*fp32", "*bf16", "*i32"
@@ -50,7 +51,7 @@ def compile_one(name, kernel, pointers, consts, options, cap=90, scalars=None):
         row.update(ok=True, gdc_wait=wait >= 0, load_before_wait=wait > ptx.find("ld.global") >= 0,
                    gdc_launch="griddepcontrol.launch_dependents" in ptx,
                    mma="wgmma" in ptx or "mma.sync" in ptx, wgmma="wgmma" in ptx,
-                   fma_f32=ptx.count("fma.rn.f32"))
+                   fma_f32=ptx.count("fma.rn.f32"), acq_rel_atom="atom.global.gpu.acq_rel" in ptx)
     except Exception as e:  # report, do not stop: the test lists every failure
         row.update(ok=False, error=f"{type(e).__name__}: {e}"[:500])
     print(json.dumps(row), flush=True)
@@ -153,6 +154,35 @@ def moe():
     for bins in (16, 256):   # E = 8 and E = 128 (one spare bin)
         compile_one(f"moe_align bins={bins}", ma._align_kernel, dict(ids_ptr="*i64", slots_ptr=I32,
                     block_expert_ptr=I32), dict(BLOCK_M=16, BINS=bins, CHUNK=64), dict(num_warps=4))
+        compile_one(f"moe_align_counts bins={bins}", ma._chunk_counts_kernel, dict(ids_ptr="*i64", counts_ptr=I32),
+                    dict(BINS=bins, LANES=64), dict(num_warps=4))
+        compile_one(f"moe_align_place bins={bins}", ma._place_kernel, dict(ids_ptr="*i64", counts_ptr=I32,
+                    slots_ptr=I32, block_expert_ptr=I32), dict(BLOCK_M=64, BINS=bins, LANES=64), dict(num_warps=4))
+    direct(table)
+
+
+def direct(table):
+    """The direct MoE kernels (few slots) at every plan row the direct path can take, both scale kinds;
+    one-row quantization (one token) and GPT-OSS's gate (fp32 and torch.compile's fp64 floats) at one."""
+    floors = dict(FMAX=E4M3FN.fmax, TOKEN_FLOOR=E4M3FN.min_scale, GROUP_FLOOR=GROUP_AMAX_FLOOR, BINS=256, LANES=64,
+                  BLOCK_K=128)
+    w13 = dict(x_ptr=BF16, ids_ptr="*i64", w_ptr=FP8, ws_ptr=F32, b_ptr=BF16, a_ptr=BF16)
+    w2 = dict(a_ptr=BF16, ids_ptr="*i64", wts_ptr=F32, w_ptr=FP8, ws_ptr=F32, b_ptr=BF16, y_ptr=BF16, out_ptr=BF16,
+              cnt_ptr=I32)
+    rows = [row[1:] for row in table.rows if row[0] is not None]
+    cases = [(cfg, group, cfg[0], 0, "fp32") for cfg in rows for group in (False, True)]
+    cases += [(rows[0], group, 1, 0, "fp32") for group in (False, True)]
+    cases += [(rows[0], False, rows[0][0], ta.GATE_CODES["clamped_swiglu"], f) for f in ("fp32", "fp64")]
+    for (bm, bn, warps, stages), group, r, gate, fl in cases:
+        tile = dict(GROUP=group, HAS_BIAS=True, ROWS=r, BLOCK_M=bm, BLOCK_N=bn, **floors)
+        opts = dict(num_warps=warps, num_stages=stages)
+        name = f"{bm}x{bn} w{warps} s{stages} group={group} rows={r}"
+        compile_one(f"moe_direct_w13 {name} gate={gate} {fl}", md._w13_gated_kernel, w13,   # half-width tiles
+                    dict(tile, GATE=gate, BLOCK_N=bn // 2), opts,
+                    scalars=dict(one="fp32", alpha=fl, limit=fl))
+        if gate == 0:
+            compile_one(f"moe_direct_w2 {name}", md._w2_combine_kernel, w2, dict(TOP_K=8, BLOCK_T=16, **tile), opts,
+                        scalars=dict(one="fp32"))
 
 
 if __name__ == "__main__":

@@ -240,3 +240,17 @@ def test_full_implementations(tmp_path):
     assert load["fp8now-channel-full"] - load["fp8now-channel"] == 8 * 512
     acc = {r["impl"]: r for r in rows if r["phase"] == "accuracy"}
     assert acc["fp8now-channel-full"]["kl"] != acc["fp8now-channel"]["kl"]
+
+
+def test_torchao_peers_eager_and_compiled_are_named_apart(tmp_path):
+    """--torchao's peers: per-row with fast (its default) and float32 accumulation, each eager and compiled
+    (`-compiled`; --torchao-compile picks). An unknown --impls lists the run's names before anything loads."""
+    work = str(tmp_path / "w")
+    run = script("tiny", "--device", "cpu", "--workdir", work, "--schemes", "channel", "--torchao", "--impls", "x")
+    assert run.returncode != 0
+    names = "bf16, fp8now-channel, torchao-row, torchao-row-f32acc, torchao-row-compiled, torchao-row-f32acc-compiled"
+    assert f"({names}; torchao's need --torchao)" in run.stderr
+    run = script("tiny", "--device", "cpu", "--workdir", work, "--schemes", "channel", "--torchao", "--torchao-compile",
+                 "compiled", "--torchao-accum", "fast", "--impls", "x")
+    assert "(bf16, fp8now-channel, torchao-row-compiled; " in run.stderr
+    assert not (tmp_path / "w").exists()   # nothing was written: the names were checked first

@@ -70,14 +70,36 @@ def test_gpt_oss_gate_and_biases(scheme):
     assert rel_diff(m(x, idx, w).float(), exact(m, x, idx, w).float()) < 1e-4
 
 
-@pytest.mark.parametrize("t,k,e", [(1, 8, 128), (64, 8, 128), (512, 8, 128), (2048, 2, 8), (3, 2, 8)])
+@pytest.mark.parametrize("t,k,e", [(1, 8, 128), (64, 8, 128), (512, 8, 128), (2048, 2, 8), (3, 2, 8),
+                                   (2048, 8, 128), (16384, 8, 128)])
 def test_triton_alignment_equals_torch_alignment(t, k, e):
-    """The one-program counting sort (decode sizes) and the torch ops give the same routing tensors."""
-    from fp8now.kernels.moe_align import align, align_triton
+    """The one-program counting sort (decode sizes), the two-launch chunked one (any size) and the torch ops
+    give the same routing tensors."""
+    from fp8now.kernels.moe_align import align, align_chunked, align_triton
     idx = routed(dict(e=e, k=k, h=128), t, seed=t)[1]
-    for bm in (16, 64):
-        a, b = align(idx, e, bm), align_triton(idx, e, bm)
-        assert torch.equal(a.slots, b.slots) and torch.equal(a.block_expert, b.block_expert)
+    for bm in (16, 64, 128):
+        a = align(idx, e, bm)
+        for b in ([align_triton(idx, e, bm)] if t * k <= 4096 else []) + [align_chunked(idx, e, bm)]:
+            assert torch.equal(a.slots, b.slots) and torch.equal(a.block_expert, b.block_expert)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("shape,tokens", [(QWEN3, (1, 8, 64)), (MIXTRAL, (1, 8, 64, 256))])
+def test_direct_kernels_give_the_sorted_paths_bytes(scheme, shape, tokens):
+    """The small-batch path (two launches, kernels/triton_moe_direct.py) against the sorted path with the same
+    tile config: the same bytes (the same FP8 activations and scales in both GEMMs, the same combine order)."""
+    import dataclasses
+
+    from fp8now.kernels.triton_moe import experts_forward
+    from fp8now.layers.moe_triton import expert_gate, expert_weights, path_of
+    m = experts(shape, scheme)
+    for t in tokens:
+        x, idx, w = routed(shape, t, seed=20 + t)
+        direct = path_of(m, t, shape["k"], x.device)
+        assert direct.kernel == "direct", direct.name
+        run = lambda p: experts_forward(x, idx, w, expert_weights(m), expert_gate(m), p, m.workspace)  # noqa: E731
+        assert torch.equal(run(direct), run(dataclasses.replace(direct, kernel="sorted", align="triton"))), (scheme, t)
+        assert not m.workspace.any()
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -179,6 +201,7 @@ def test_loaded_families_run_triton_experts(tmp_path, family, scheme):
     model, report = fp8now.load(save_moe(family, tmp_path, seed=1, spread=4.0), Fp8Config(scheme=scheme),
                                 device="cuda")
     assert report.experts and all(row.backend == "triton" for row in report.experts)
+    assert all("triton-moe-direct" in row.plan["8"] for row in report.experts)
     diffs = []
 
     def check(module, args, kwargs, output):

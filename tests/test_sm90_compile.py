@@ -56,3 +56,13 @@ def test_fast_accum_variants_skip_the_promotion(compiled):
     for name in fast:
         exact = compiled[name.removesuffix(" fast_accum")]
         assert compiled[name]["mma"] and compiled[name]["fma_f32"] < exact["fma_f32"], (name, compiled[name], exact)
+
+
+def test_direct_moe_kernels_use_tensor_cores_and_an_acq_rel_ticket(compiled):
+    """The direct MoE kernels (few slots) compile at every config the plan gives them; their GEMMs use the
+    tensor cores; only the w2 kernel draws the combine's ticket, with acquire-release semantics."""
+    direct = {name: r for name, r in compiled.items() if name.startswith("moe_direct_")}
+    assert len(direct) >= 14 and all(r["mma"] for r in direct.values()), direct
+    for name, r in direct.items():
+        assert r["acq_rel_atom"] == name.startswith("moe_direct_w2"), name
+    assert {"moe_align_counts bins=256", "moe_align_place bins=256"} <= set(compiled)

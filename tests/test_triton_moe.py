@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 from fp8now import Fp8Config, numerics as nu  # noqa: E402
 from fp8now.config import ACT_GROUP, WEIGHT_GROUP  # noqa: E402
 from fp8now.kernels import plan as kp, triton_quant as tq  # noqa: E402
-from fp8now.kernels.moe_align import align, align_triton, max_blocks  # noqa: E402
+from fp8now.kernels.moe_align import align, align_chunked, align_triton, max_blocks  # noqa: E402
 from fp8now.kernels.triton_moe import available, experts_forward, moe_gemm  # noqa: E402
 from fp8now.kernels.triton_moe_act import gated_quant  # noqa: E402
 from fp8now.layers.moe import Fp8Experts  # noqa: E402
@@ -93,11 +93,12 @@ def oracle(m: Fp8Experts, x, idx, wts) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("impl", [align, align_triton])
+@pytest.mark.parametrize("impl", [align, align_triton, align_chunked])
 def test_alignment_matches_a_plain_restatement(impl):
-    """Both implementations; 150 x 2 slots: more than two steps of the counting sort's 64-slot chunks."""
+    """Every implementation; 150 x 2 slots: more than two steps of the counting sort's 64-slot chunks (and 5
+    chunks of the chunked one); 700 x 4 slots: 44 chunks sharing 303 blocks."""
     for t, k, e, bm in [(1, 1, 4, 16), (5, 2, 8, 16), (33, 2, 8, 16), (33, 1, 4, 64), (7, 8, 128, 16),
-                        (150, 2, 5, 16)]:
+                        (150, 2, 5, 16), (700, 4, 128, 16)]:
         idx = torch.randint(0, e - 1, (t, k), generator=torch.Generator().manual_seed(t * k)).to(DEV)
         r = impl(idx, e, bm)
         flat = idx.reshape(-1).tolist()
@@ -173,14 +174,15 @@ def test_layer_matches_the_exact_oracle(scheme, gate, bias, t, k, e, h, i):
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_both_alignments_give_the_same_bytes(scheme):
+def test_every_alignment_gives_the_same_bytes(scheme):
     m = experts(scheme, 8, 128, 128, seed=15)
     x = torch.randn(33, 128, generator=torch.Generator().manual_seed(16)).bfloat16().to(DEV)
     idx, wts = routing_of(33, 2, 8, seed=17), torch.rand(33, 2, generator=torch.Generator().manual_seed(18)).to(DEV)
-    path = kp.moe_plan(scheme, 33, 2, 8)
-    assert path.align == "triton"
+    path = dataclasses.replace(kp.moe_plan(scheme, 33, 2, 8), kernel="sorted", align="torch")
     run = lambda p: experts_forward(x, idx, wts, expert_weights(m), expert_gate(m), p)  # noqa: E731
-    assert torch.equal(run(path).view(torch.int16), run(dataclasses.replace(path, align="torch")).view(torch.int16))
+    want = run(path).view(torch.int16)
+    for how in ("triton", "triton-chunked"):
+        assert torch.equal(run(dataclasses.replace(path, align=how)).view(torch.int16), want), how
 
 
 @pytest.mark.parametrize("scheme", ["channel", "block"])
@@ -251,10 +253,15 @@ def test_graph_packing_round_trips(dtype, k, t):
 def test_plan_is_a_pure_table_lookup():
     p1, p2 = kp.moe_plan("block", 1, 8, 128), kp.moe_plan("block", 16384, 8, 128)
     assert (p1.block_m, p2.block_m) == (16, 128) and p1.act == "group"
+    assert (p1.kernel, p2.kernel) == ("direct", "sorted") and "triton-moe-direct" in p1.name
+    # the direct kernels up to 512 routed slots (64 tokens of top-8), never in batch-invariant mode
+    assert [kp.moe_plan("channel", t, 8, 128).kernel for t in (64, 65)] == ["direct", "sorted"]
+    assert kp.moe_plan("channel", 1, 8, 128, batch_invariant=True).kernel == "sorted"
+    assert kp.moe_plan("channel", 1, 8, 128, table=kp.MoeTable(direct_max_slots=0)).kernel == "sorted"
     inv = {dataclasses.replace(kp.moe_plan("channel", t, 2, 8, batch_invariant=True), align="")
            for t in (1, 3, 64, 4096)}   # one GEMM config; the alignment's result is the same either way
     assert len(inv) == 1 and next(iter(inv)).invariant
     table = kp.MoeTable(rows=((None, 32, 64, 4, 2),))
     assert kp.moe_plan("tensor", 1, 1, 4, table=table).block_m == 32
-    assert "triton-moe" in p1.name and "BLOCK_M=16" in p1.name
-    assert (p1.align, p2.align) == ("triton", "torch")
+    assert "BLOCK_M=16" in p1.name and "align=triton-chunked" in p2.name
+    assert [kp.moe_plan("tensor", t, 8, 128).align for t in (1, 512, 513)] == ["none", "triton", "triton-chunked"]

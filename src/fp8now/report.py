@@ -50,6 +50,7 @@ class ExpertsRow:
     min_sqnr_db: float | None
     median_sqnr_db: float | None
     act: str = ""   # the experts' activation scales: token or group (never one over the batch)
+    plan: dict[str, str] = field(default_factory=dict)   # routed slots (tokens x top-k) per call: path
 
 
 @dataclass
@@ -149,6 +150,14 @@ class LoadReport:
         for plan, names in groups.items():
             lines.append(f"  {len(names)} layers ({names[0]}{', ...' if len(names) > 1 else ''}):")
             lines += [f"    {tokens}: {path}" for tokens, path in plan]
+        experts: dict[tuple, list[str]] = {}
+        for row in self.experts:
+            if row.plan:   # the cpu and reference backends have no per-call plan
+                experts.setdefault(tuple(row.plan.items()), []).append(row.name)
+        for plan, names in experts.items():
+            lines.append(f"  {len(names)} experts modules ({names[0]}{', ...' if len(names) > 1 else ''}), "
+                         "routed slots (tokens x top-k) per call:")
+            lines += [f"    {slots}: {path}" for slots, path in plan]
         return lines
 
     def to_dict(self) -> dict:

@@ -213,6 +213,7 @@ def measure(model_name: str, folder: Path, impls: dict[str, Loader], device: tor
                 row["error"] = f"{type(e).__name__}: {e}"[:400]
             emit(row)
         del model
+        torch._dynamo.reset()   # a compiled peer's graphs and guards go with its model
         free(device)
     return {"reports": reports, "reference": reference}
 

@@ -2,9 +2,11 @@
 a multiple of BLOCK_M, and the expert of every BLOCK_M rows, with no host sync (the sizes come from a
 static bound on T*k, never from the routing), so a CUDA graph can capture it.
 
-Two implementations with the same result: `align` in torch ops (a sort and about twenty small kernels:
-any size), and `align_triton`, one single-program Triton launch (a counting sort) for the few slots of
-decode-sized calls, where those small kernels would cost more GPU time than the expert GEMMs.
+Three implementations with the same result: `align` in torch ops (a sort and about twenty small kernels,
+each a host launch: the restatement the tests hold the others to), `align_triton`, one single-program
+Triton launch (a counting sort) for the few slots of decode-sized calls, and `align_chunked`, two
+launches of many programs for any size (per-chunk expert counts, then each chunk places its own slots
+after the earlier chunks' and writes the padding of its share of the blocks).
 A slot is one (token, choice) pair: slot = t * k + j for `top_k_index [T, k]`; every id must lie in
 [0, E) (routers pick among E experts): other ids are not placed, and their slots' rows stay unwritten.
 """
@@ -19,6 +21,7 @@ from .triton_quant import pow2
 from .triton_support import require_triton, tl, triton
 
 _CHUNK = 64    # slots per step of the counting sort (a [CHUNK, CHUNK] rank comparison per step)
+_MAX_CHUNKS = 64   # programs of align_chunked (each sums every chunk's counts: [chunks, E + 1] int32)
 
 
 class Routing(NamedTuple):
@@ -80,28 +83,103 @@ def _align_kernel(ids_ptr, slots_ptr, block_expert_ptr, S, E, BLOCKS,
     tl.debug_barrier()   # the padding's -1 is written before any slot lands on its row
     cursor = padded_end - padded   # next free row of each expert's run
     for c0 in range(0, S, CHUNK):
-        i = c0 + lanes
-        e = tl.load(ids_ptr + i, mask=i < S, other=-1).to(tl.int32)
-        ok = (i < S) & (e >= 0) & (e < E)
-        e = tl.where(ok, e, BINS - 1)
-        earlier = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None])   # same expert, before
-        rank = tl.sum(earlier.to(tl.int32), axis=1)
-        base = tl.sum(tl.where(e[:, None] == bins[None, :], cursor[None, :], 0), axis=1)
-        tl.store(slots_ptr + base + rank, i, mask=ok)
-        cursor += tl.histogram(e, BINS)
+        cursor = _place(ids_ptr, slots_ptr, c0 + lanes, S, E, cursor, bins, lanes, BINS)
 
 
-def align_triton(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> Routing:
-    """`align` in one single-program launch (for few slots: it walks them CHUNK at a time)."""
+@triton.jit
+def _place(ids_ptr, slots_ptr, i, end, E, cursor, bins, lanes, BINS: tl.constexpr):
+    """One step of the stable counting sort: slots `i` (< end) go to their expert's next free rows
+    (`cursor` [BINS]), in ascending order within an expert; -> the cursor after them."""
+    e = tl.load(ids_ptr + i, mask=i < end, other=-1).to(tl.int32)
+    ok = (i < end) & (e >= 0) & (e < E)
+    e = tl.where(ok, e, BINS - 1)
+    earlier = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None])   # same expert, before
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    base = tl.sum(tl.where(e[:, None] == bins[None, :], cursor[None, :], 0), axis=1)
+    tl.store(slots_ptr + base + rank, i, mask=ok)
+    return cursor + tl.histogram(e, BINS)
+
+
+def _outputs(top_k_index: torch.Tensor, num_experts: int, block_m: int):
+    """(the ids flat and contiguous, their count, the blocks, and the Routing tensors to fill)."""
     require_triton()
     flat = top_k_index.reshape(-1)
     if flat.stride(0) != 1:
         flat = flat.contiguous()
-    s = flat.numel()
-    blocks = max_blocks(s, num_experts, block_m)
+    blocks = max_blocks(flat.numel(), num_experts, block_m)
     slots = torch.empty(blocks * block_m, dtype=torch.int32, device=flat.device)
-    block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
+    return flat, flat.numel(), blocks, slots, torch.empty(blocks, dtype=torch.int32, device=flat.device)
+
+
+def align_triton(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> Routing:
+    """`align` in one single-program launch (for few slots: it walks them CHUNK at a time)."""
+    flat, s, blocks, slots, block_expert = _outputs(top_k_index, num_experts, block_m)
     if blocks:
         _align_kernel[(1,)](flat, slots, block_expert, s, num_experts, blocks,
                             BLOCK_M=block_m, BINS=pow2(num_experts + 1), CHUNK=_CHUNK, num_warps=4)
+    return Routing(slots, block_expert, block_m)
+
+
+@triton.jit
+def _chunk_counts_kernel(ids_ptr, counts_ptr, S, E, CHUNK, BINS: tl.constexpr, LANES: tl.constexpr):
+    """Program c: the expert histogram of slots [c * CHUNK, (c + 1) * CHUNK) -> counts[c, :BINS]."""
+    c = tl.program_id(0)
+    bins = tl.arange(0, BINS)
+    lanes = tl.arange(0, LANES)
+    counts = tl.zeros([BINS], dtype=tl.int32)
+    end = tl.minimum(S, (c + 1) * CHUNK)
+    for s0 in range(c * CHUNK, end, LANES):   # other ids (and lanes past the chunk) in the spare last bin
+        e = tl.load(ids_ptr + s0 + lanes, mask=s0 + lanes < end, other=-1).to(tl.int32)
+        counts += tl.histogram(tl.where((e >= 0) & (e < E), e, BINS - 1), BINS)
+    tl.store(counts_ptr + c * BINS + bins, tl.where(bins < E, counts, 0))
+
+
+@triton.jit
+def _place_kernel(ids_ptr, counts_ptr, slots_ptr, block_expert_ptr, S, E, CHUNK, CHUNKS, BLOCKS,
+                  BLOCK_M: tl.constexpr, BINS: tl.constexpr, LANES: tl.constexpr):
+    """Program c: every expert's run from all chunks' counts; then its share of the blocks (owner, and
+    -1 on their padding rows) and its own chunk's slots, after those of the earlier chunks."""
+    c = tl.program_id(0)
+    bins = tl.arange(0, BINS)
+    lanes = tl.arange(0, LANES)
+    totals = tl.zeros([BINS], dtype=tl.int32)
+    before = tl.zeros([BINS], dtype=tl.int32)
+    for r in range(0, CHUNKS):
+        row = tl.load(counts_ptr + r * BINS + bins)
+        totals += row
+        before += tl.where(r < c, row, 0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    start = padded_end - padded
+    used = tl.sum(padded, axis=0)
+    share = tl.cdiv(BLOCKS, CHUNKS)
+    b_end = tl.minimum(BLOCKS, (c + 1) * share)
+    rows = tl.arange(0, BLOCK_M)
+    for b0 in range(c * share, b_end, LANES):   # this program's blocks: owner, and -1 on padding rows
+        b = b0 + lanes                          # only (the slots' rows are disjoint from them)
+        mine = b < b_end
+        row0 = b * BLOCK_M
+        live = row0 < used
+        owner = tl.sum((padded_end[None, :] <= row0[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(live, owner, -1), mask=mine)
+        in_use = tl.sum(tl.where(owner[:, None] == bins[None, :], (start + totals)[None, :], 0), axis=1) - row0
+        pad = (rows[None, :] >= tl.where(live, in_use, 0)[:, None]) & mine[:, None]      # [LANES, BLOCK_M]
+        tl.store(slots_ptr + row0[:, None] + rows[None, :], tl.full([LANES, BLOCK_M], -1, tl.int32), mask=pad)
+    cursor = start + before   # this chunk's first row in each expert's run
+    end = tl.minimum(S, (c + 1) * CHUNK)
+    for s0 in range(c * CHUNK, end, LANES):
+        cursor = _place(ids_ptr, slots_ptr, s0 + lanes, end, E, cursor, bins, lanes, BINS)
+
+
+def align_chunked(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> Routing:
+    """`align` in two launches of up to 64 programs (for any number of slots)."""
+    flat, s, blocks, slots, block_expert = _outputs(top_k_index, num_experts, block_m)
+    if not s:
+        return Routing(slots, block_expert, block_m)
+    chunk = max(_CHUNK, pow2(-(-s // _MAX_CHUNKS)))
+    chunks, bins = -(-s // chunk), pow2(num_experts + 1)
+    counts = torch.empty((chunks, bins), dtype=torch.int32, device=flat.device)
+    _chunk_counts_kernel[(chunks,)](flat, counts, s, num_experts, chunk, BINS=bins, LANES=_CHUNK, num_warps=4)
+    _place_kernel[(chunks,)](flat, counts, slots, block_expert, s, num_experts, chunk, chunks, blocks,
+                             BLOCK_M=block_m, BINS=bins, LANES=_CHUNK, num_warps=4)
     return Routing(slots, block_expert, block_m)

@@ -172,13 +172,19 @@ PLANNERS: Mapping[str, Callable[..., Path]] = MappingProxyType({
 class MoeTable:
     """Launch configs of the grouped MoE GEMMs: rows (mean routed rows per expert up to, BLOCK_M,
     BLOCK_N, num_warps, num_stages), the last row open-ended (None); `invariant`: the one config of
-    batch-invariant mode, the same for every T (BLOCK_M, BLOCK_N, num_warps, num_stages); up to
-    `triton_align_max_slots` routed slots (T * k) the routing is aligned by the one-program Triton
-    counting sort, above by torch ops (same result)."""
+    batch-invariant mode, the same for every T (BLOCK_M, BLOCK_N, num_warps, num_stages). Up to
+    `direct_max_slots` routed slots (T * k) the "direct" kernels take each expert's slots from the ids
+    themselves (`triton_moe_direct`: two launches; each program re-reads the ids, so only for few
+    slots), except in batch-invariant mode; above, the "sorted" path aligns the routing first: up to
+    `triton_align_max_slots` slots by the one-program Triton counting sort, above by the two-launch
+    chunked one (same result as the torch ops of `moe_align.align`)."""
 
+    # 8 warps from 32 x 128 up: with 4, sm_90's ptxas (Triton 3.6's) spills 9.9 KB (32 x 128) and 2.9 KB
+    # (64 x 128) of the grouped GEMM's registers, with 8 0.5 and 0.7 KB (BENCHMARKS.md, "MoE experts layer")
     rows: tuple[tuple[int | None, int, int, int, int], ...] = (
-        (16, 16, 64, 4, 4), (64, 32, 128, 4, 4), (256, 64, 128, 4, 4), (None, 128, 128, 8, 4))
+        (16, 16, 64, 4, 4), (64, 32, 128, 8, 4), (256, 64, 128, 8, 4), (None, 128, 128, 8, 4))
     invariant: tuple[int, int, int, int] = (64, 64, 4, 4)
+    direct_max_slots: int = 512
     triton_align_max_slots: int = 4096
 
 
@@ -187,9 +193,12 @@ MOE_TABLES: Mapping[str, MoeTable] = MappingProxyType({"cuda-fp8": MoeTable(), "
 
 @dataclass(frozen=True)
 class MoePath:
-    """What one experts call runs: routed rows sorted by expert in runs of `block_m` (by the `align`
-    implementation: "triton" or "torch"), the two grouped GEMMs on `block_m x block_n` tiles (K in
-    128-steps), one config for every T if `invariant`."""
+    """What one experts call runs: `kernel` "sorted": routed rows sorted by expert in runs of `block_m`
+    (by the `align` implementation: "triton", "triton-chunked" or "torch"), the activation quantizer,
+    the two grouped GEMMs on `block_m x block_n` tiles (K in 128-steps), the gate and the combine; or
+    "direct" (align "none"): two launches that find each expert's slots in the ids, quantize inside
+    the GEMMs, gate in the w13 epilogue and combine after the w2 GEMM. One config for every T if
+    `invariant`."""
 
     scheme: Scheme
     act: str
@@ -199,13 +208,17 @@ class MoePath:
     num_stages: int
     invariant: bool = False
     align: str = "torch"
+    kernel: str = "sorted"
 
     @property
     def name(self) -> str:
-        """E.g. "triton-token + triton-moe (align=triton, BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)"."""
-        notes = f"align={self.align}, BLOCK_M={self.block_m}, BLOCK_N={self.block_n}, " \
-                f"num_warps={self.num_warps}, num_stages={self.num_stages}" + ", batch-invariant" * self.invariant
-        return f"triton-{self.act} + triton-moe ({notes})"
+        """E.g. "triton-token + triton-moe (align=triton, BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)",
+        "fused-token + triton-moe-direct (BLOCK_M=16, ...)"."""
+        notes = f"BLOCK_M={self.block_m}, BLOCK_N={self.block_n}, num_warps={self.num_warps}, " \
+                f"num_stages={self.num_stages}" + ", batch-invariant" * self.invariant
+        if self.kernel == "direct":
+            return f"fused-{self.act} + triton-moe-direct ({notes})"
+        return f"triton-{self.act} + triton-moe (align={self.align}, {notes})"
 
 
 def moe_plan(scheme: Scheme, tokens: int, top_k: int, experts: int, device_class: str = "cuda-fp8",
@@ -214,11 +227,14 @@ def moe_plan(scheme: Scheme, tokens: int, top_k: int, experts: int, device_class
     scheme = Scheme.parse(scheme)
     table = table or MOE_TABLES.get(device_class, MoeTable())
     act = "group" if scheme is Scheme.BLOCK else "token"
-    align = "triton" if tokens * top_k <= table.triton_align_max_slots else "torch"
+    slots = tokens * top_k
+    align = "triton" if slots <= table.triton_align_max_slots else "triton-chunked"
     if batch_invariant:   # the alignment's result does not depend on its implementation
         return MoePath(scheme, act, *table.invariant, invariant=True, align=align)
-    per_expert = tokens * top_k / max(experts, 1)
+    per_expert = slots / max(experts, 1)
     bound, *config = next(r for r in table.rows if r[0] is None or per_expert <= r[0])
+    if slots <= table.direct_max_slots:
+        return MoePath(scheme, act, *config, align="none", kernel="direct")
     return MoePath(scheme, act, *config, align=align)
 
 

@@ -1,6 +1,7 @@
 """The Triton FP8 MoE path: routed slots sorted by expert (`moe_align`), a grouped FP8 GEMM for `w13`, the
 gated activation fused with its quantization (`triton_moe_act`), a grouped FP8 GEMM for `w2`, and the
-weighted combine in a fixed per-token order (SPEC §8).
+weighted combine in a fixed per-token order (SPEC §8); or, for few routed slots, the two launches of
+`triton_moe_direct` (the plan's `kernel`).
 
 Launches only, no host sync: sizes come from T, k and E, never from the routing, so the whole forward
 captures in a CUDA graph. Blocks of experts that received no tokens exit at once.
@@ -14,16 +15,19 @@ import torch
 from torch import nn
 
 from ..config import Scheme
-from .moe_align import Routing, align, align_triton
+from .moe_align import Routing, align, align_chunked, align_triton
 from .plan import MoePath
 from .triton_jit import FP8_DTYPE, SCALE_BLOCK, cdiv
 from .triton_jit import available as gemm_available
 from .triton_moe_act import gated_quant, round_as
+from .triton_moe_direct import direct_forward
 from .triton_quant import available as quant_available, quantize_act_group, quantize_act_token
 from .triton_support import require_triton, tl, triton
 
 # act_fn classes the fused activation computes (the families' experts use SiLU; GPT-OSS its own gate).
 SILU_CLASSES = ("SiLU", "SiLUActivation")
+# MoePath.align -> the alignment that implements it (the same result from each)
+ALIGNS = {"torch": align, "triton": align_triton, "triton-chunked": align_chunked}
 
 
 class ExpertWeights(NamedTuple):
@@ -175,8 +179,12 @@ def combine(y: torch.Tensor, top_k_weights: torch.Tensor, h: int, out_dtype: tor
 
 
 def experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                    weights: ExpertWeights, gate: Gate, path: MoePath) -> torch.Tensor:
-    """`x [T, H]` routed by `top_k_index [T, k]` with `top_k_weights [T, k]` -> `[T, H]` in x.dtype."""
+                    weights: ExpertWeights, gate: Gate, path: MoePath, counters: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """`x [T, H]` routed by `top_k_index [T, k]` with `top_k_weights [T, k]` -> `[T, H]` in x.dtype;
+    `counters`: the direct kernels' (`triton_moe_direct.direct_counters`; None: zeros per call)."""
+    if path.kernel == "direct":
+        return direct_forward(x, top_k_index, top_k_weights, *weights, gate, path, counters)
     t, k = top_k_index.shape
     e, hp, ip = weights.w2.shape
     h = x.shape[1]
@@ -184,7 +192,7 @@ def experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
         return x.new_zeros((0, h))
     xp = x if h == hp else nn.functional.pad(x, (0, hp - h))
     x_q, x_s = (quantize_act_group if path.act == "group" else quantize_act_token)(xp)   # once per token
-    routing = (align_triton if path.align == "triton" else align)(top_k_index, e, path.block_m)
+    routing = ALIGNS[path.align](top_k_index, e, path.block_m)
     hid = moe_gemm(x_q, x_s, weights.w13, weights.w13_scale, weights.w13_bias, routing, t * k, k, x.dtype, path)
     a_q, a_s = gated_quant(hid, gate.kind, path.act, gate.alpha, gate.limit)
     y = moe_gemm(a_q, a_s, weights.w2, weights.w2_scale, weights.w2_bias, routing, t * k, 1, x.dtype, path)

@@ -34,21 +34,28 @@ def round_as(v, like_ptr):
 
 
 @triton.jit
-def _gated(h_row, cols, mask, I, alpha, limit, GATE: tl.constexpr):
-    """The gated activation of columns `cols` of one row, with the reference's rounding points."""
-    g = tl.load(h_row + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(h_row + I + cols, mask=mask, other=0.0).to(tl.float32)
+def gated_values(g, u, alpha, limit, like_ptr, GATE: tl.constexpr):
+    """The gated activation of float32 gate and up values (already in like_ptr's dtype), with the
+    reference's rounding points (each op rounds to like_ptr's element type)."""
     if GATE == 0:   # silu(gate) * up
-        a = round_as(tl.math.div_rn(g, 1.0 + tl.exp(-g)), h_row)
-        return round_as(a * u, h_row)
+        a = round_as(tl.math.div_rn(g, 1.0 + tl.exp(-g)), like_ptr)
+        return round_as(a * u, like_ptr)
     else:           # (clamp(up, ±limit) + 1) * (g * sigmoid(alpha * g)), g = min(gate, limit)
         alpha, limit = tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)   # compile passes fp64
-        g = round_as(tl.minimum(g, limit), h_row)
-        u = round_as(tl.clamp(u, -limit, limit), h_row)
-        ga = round_as(g * alpha, h_row)
-        sig = round_as(tl.math.div_rn(1.0, 1.0 + tl.exp(-ga)), h_row)
-        glu = round_as(g * sig, h_row)
-        return round_as(round_as(u + 1.0, h_row) * glu, h_row)
+        g = round_as(tl.minimum(g, limit), like_ptr)
+        u = round_as(tl.clamp(u, -limit, limit), like_ptr)
+        ga = round_as(g * alpha, like_ptr)
+        sig = round_as(tl.math.div_rn(1.0, 1.0 + tl.exp(-ga)), like_ptr)
+        glu = round_as(g * sig, like_ptr)
+        return round_as(round_as(u + 1.0, like_ptr) * glu, like_ptr)
+
+
+@triton.jit
+def _gated(h_row, cols, mask, I, alpha, limit, GATE: tl.constexpr):
+    """The gated activation of columns `cols` of one row of h."""
+    g = tl.load(h_row + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_row + I + cols, mask=mask, other=0.0).to(tl.float32)
+    return gated_values(g, u, alpha, limit, h_row, GATE)
 
 
 @triton.jit

@@ -19,7 +19,7 @@ from . import moe_cpu
 from ..kernels import quantize_weight
 from ..kernels.reference import exact_matmul
 from .linear import check_float_weight, keep_fp8_on_apply, weight_scale_shape
-from .moe_backends import EXPERT_BACKENDS, pick_expert_backend
+from .moe_backends import EXPERT_BACKENDS, expert_workspace, pick_expert_backend
 from ..numerics import E4M3FN, quantize_activation
 
 # Gated activations by name: "glu" is act(gate) * up (act = the family's act_fn); "clamped_swiglu" is
@@ -95,6 +95,7 @@ class Fp8Experts(nn.Module):
         self.backend: str | None = None
         self.w13_work = self.w2_work = None   # the cpu backend's bf16 working copies (moe_cpu; not saved)
         self.act_quantizer = None             # its compiled activation quantizer (cpu_quantizer.install)
+        self.register_buffer("workspace", None, persistent=False)   # the backend's scratch (expert_workspace)
 
         def fp8(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(shape, dtype=E4M3FN.dtype, device=device), requires_grad=False)
@@ -191,6 +192,7 @@ class Fp8Experts(nn.Module):
     def _pick_backend(self) -> None:
         """Choose the backend for the weights' device and (re)build what it derives from the FP8 bytes."""
         self.backend = pick_expert_backend(self.w13.device, self, self.forced_backend)
+        self.workspace = expert_workspace(self)
         (moe_cpu.prepare if self.backend == "cpu" else moe_cpu.release)(self)
 
     def _check_finite(self, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None,

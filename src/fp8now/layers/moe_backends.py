@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..kernels import cpu, device_class
+from ..kernels.plan import moe_plan
 
 # Backends that run experts: the Triton grouped FP8 GEMMs (FP8 GPUs; `kernels.triton_moe`), bf16
 # working copies and oneDNN GEMMs per expert (CPU; `moe_cpu`, the CPU default, as SPEC §9 has it for
@@ -16,6 +17,7 @@ from ..kernels import cpu, device_class
 EXPERT_BACKENDS = ("auto", "triton", "cpu", "reference")
 EXPERT_TABLE = {"cuda-fp8": ("triton", "reference"), "cuda": ("reference",), "cpu": ("cpu", "reference")}
 SPLIT_BACKENDS = ("cpu", "reference")
+PLAN_SLOTS = (8, 512, 16384)   # routed slots per call the report shows a plan for: decode, the direct bound, prefill
 
 
 def expert_backend_reason(name: str, device: torch.device, experts: nn.Module) -> str | None:
@@ -41,3 +43,27 @@ def pick_expert_backend(device: torch.device, experts: nn.Module, forced: str = 
         reasons.append(f"{name}: {why}")
     raise RuntimeError(f"{experts.name or 'experts'}: no experts backend fits on {device}; rejected: "
                        + "; ".join(reasons) + ". Choose another backend= or ignore the experts.")
+
+
+def expert_workspace(experts: nn.Module) -> torch.Tensor | None:
+    """The scratch a loaded layer keeps for its backend's calls (the triton backend's combine counters,
+    zero between calls), or None. The one it has when that fits (a reload keeps its address, so that
+    captured CUDA graphs stay valid)."""
+    if experts.backend != "triton":
+        return None
+    from ..kernels.triton_moe_direct import direct_counters
+    fresh = direct_counters(experts.h_pad, experts.w13.device)
+    old = experts.workspace
+    if old is not None and (old.device, old.dtype, old.shape) == (fresh.device, fresh.dtype, fresh.shape):
+        return old
+    return fresh
+
+
+def expert_plan_names(experts: nn.Module) -> dict[str, str]:
+    """The triton backend's path at each of PLAN_SLOTS routed slots per call (the plan depends on the slots,
+    T x top-k, and E only), or {} for a backend without a per-call plan."""
+    if experts.backend != "triton":
+        return {}
+    dclass = device_class(experts.w13.device)
+    return {str(s): moe_plan(experts.scheme, s, 1, experts.num_experts, dclass, experts.batch_invariant).name
+            for s in PLAN_SLOTS}

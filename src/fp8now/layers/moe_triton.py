@@ -62,7 +62,7 @@ def triton_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index:
                                x.shape[1], _addresses(experts))
     else:
         y = experts_forward(x, top_k_index, top_k_weights, expert_weights(experts), expert_gate(experts),
-                            path_of(experts, t, k, x.device))
+                            path_of(experts, t, k, x.device), experts.workspace)
     return y.reshape(hidden_states.shape)
 
 
@@ -87,10 +87,10 @@ def _call(experts: nn.Module, h: int, k: int, device: torch.device):
     def call(packed: torch.Tensor) -> torch.Tensor:
         x, idx, wts = unpack(packed, h, k)
         return experts_forward(x, idx, wts, expert_weights(experts), expert_gate(experts),
-                               path_of(experts, packed.shape[0], k, device))
+                               path_of(experts, packed.shape[0], k, device), experts.workspace)
     return call
 
 
 def _addresses(experts: nn.Module) -> tuple[int, ...]:
     """Where the tensors a captured call reads live (a graph is valid while these stay)."""
-    return tuple(0 if t is None else t.data_ptr() for t in expert_weights(experts))
+    return tuple(0 if t is None else t.data_ptr() for t in (*expert_weights(experts), experts.workspace))

@@ -12,6 +12,7 @@ from ..config import Scheme
 from ..layers.embedding import Fp8Embedding
 from ..layers.linear import Fp8Linear
 from ..layers.moe import Fp8Experts
+from ..layers.moe_backends import expert_plan_names
 from ..layers.weight_error import error_figures, error_stats
 from ..report import ExpertsRow, LayerRow, LoadReport, peak_host_rss_bytes, plan_names, tensor_bytes
 
@@ -77,7 +78,8 @@ def experts_row(layer: Fp8Experts, w13: torch.Tensor, w2: torch.Tensor, pending:
     """The report row of a loaded experts layer; with `pending`, per expert the SQNR of its worse matrix (w13 or
     w2), the minimum and the median over the experts (pending)."""
     row = ExpertsRow(layer.name, layer.num_experts, layer.hidden_size, layer.intermediate_size, layer.scheme.value,
-                     layer.backend or "?", layer.w13_bias is not None, None, None, layer.act_kind)
+                     layer.backend or "?", layer.w13_bias is not None, None, None, layer.act_kind,
+                     expert_plan_names(layer))
     if pending is not None:
         p13, p2 = layer.padded(w13.to(layer.w13.device), w2.to(layer.w2.device))
         stats = torch.stack([error_stats(p13, layer.w13, layer.w13_scale, layer.scheme),
