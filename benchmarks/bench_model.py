@@ -136,6 +136,7 @@ def stored_reference(path: Path, key: dict):
 
 def main() -> None:
     from fp8now.cli.bench import decode_mode, measure, ratio_table
+    from fp8now.cli.bench_alone import measure_alone
     from fp8now.cli.bench_args import add_arguments, options
     from fp8now.cli.bench_presets import NAMES, bench_model_dir
 
@@ -160,8 +161,15 @@ def main() -> None:
                     "decode row (torch.profiler; CUDA only)")
     ap.add_argument("--add", action="store_true", help="keep the rows of --out (same commit and GPU) but those "
                     "this call measures again (model, impl, phase, decode mode): a run split over several calls")
+    ap.add_argument("--alone", help=argparse.SUPPRESS)          # the child process of a load row (bench_alone)
+    ap.add_argument("--alone-folder", help=argparse.SUPPRESS)
+    ap.add_argument("--alone-reload", action="store_true", help=argparse.SUPPRESS)
     add_arguments(ap)
     args = ap.parse_args()
+    if args.alone:
+        from fp8now.cli.bench_alone import alone_main
+        alone_main(implementations(args)[args.alone], args.alone_folder, args.device, args.cold, args.alone_reload)
+        return
     opts = options(args)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -189,8 +197,13 @@ def main() -> None:
             rows[:] = [r for r in rows if not (r["model"] == name and r["impl"] in impls  # --add: measured again
                                                and r["phase"] in opts.phases and r.get("mode") in (None, mode))]
             path, key = reference_file(workdir, name, folder, opts)
+            child = [sys.executable, os.path.abspath(__file__), "--schemes", args.schemes,
+                     "--torchao-accum", args.torchao_accum, "--torchao-compile", args.torchao_compile,
+                     *["--torchao"] * args.torchao, *["--fast-accum"] * args.fast_accum, *["--full"] * args.full]
             result = measure(name, folder, impls, device, opts, emit, log, stored_reference(path, key),
-                             kernel_times if args.profile else None)
+                             kernel_times if args.profile else None,
+                             lambda impl, reload, folder=folder: measure_alone(child, impl, folder, device, opts.cold,
+                                                                               reload))
             if result["reference"] is not None:
                 torch.save({"key": key, "logits": result["reference"]}, path)
     finally:

@@ -160,20 +160,30 @@ def _cases(opts: Options, model: nn.Module, ref: list | None, prompts: list, voc
 def measure(model_name: str, folder: Path, impls: dict[str, Loader], device: torch.device, opts: Options,
             emit: Callable[[dict], None], log: Callable[[str], None] = lambda s: None,
             reference: list[torch.Tensor] | None = None,
-            profile: Callable[[Callable[[], object]], dict] | None = None) -> dict:
+            profile: Callable[[Callable[[], object]], dict] | None = None,
+            alone: Callable[[str, bool], list[dict]] | None = None) -> dict:
     """Measure every implementation in turn (bf16 first if present); `emit` gets each row as it is made.
     `reference`: bf16 logits of `prompt_set` from an earlier run, else bf16 is loaded to make them when
-    an accuracy row needs them; `profile`: see _cases. Returns {"reports": {impl: LoadReport},
-    "reference": bf16 logits}."""
+    an accuracy row needs them; `profile`: see _cases; `alone(impl, reload)`: the load (and reload) rows of
+    `impl` measured alone in a fresh process (bench_alone), else the load row is the in-process load's.
+    Returns {"reports": {impl: LoadReport}, "reference": bf16 logits}."""
     from ..hf.skeleton import read_config
 
     vocab = read_config(folder).get_text_config().vocab_size
     prompts = prompt_set(folder, vocab, opts) if "accuracy" in opts.phases else []
     reports: dict = {}
     log(f"read {read_through(folder) / GB:.1f} GB of checkpoint files into the page cache")
+    later = [p for p in opts.phases if p not in ("load", "reload")]
     for name in sorted(impls, key=lambda n: n != "bf16"):
         loader = impls[name]
         base = {"model": model_name, "impl": name}
+        if alone is not None and ("load" in opts.phases or "reload" in opts.phases):
+            log(f"{name}: load alone in a fresh process")
+            for row in alone(name, "reload" in opts.phases and name.startswith("fp8now")):
+                if row["phase"] in opts.phases:
+                    emit({**base, "batch": None, "seq": None, "tokens_per_s": None, **row})
+            if not later:
+                continue
         if prompts and reference is None and name != "bf16":
             log(f"bf16 reference logits of {len(prompts)} prompts")
             model = bf16_loader(folder, device)[0]
@@ -195,7 +205,7 @@ def measure(model_name: str, folder: Path, impls: dict[str, Loader], device: tor
             emit({**base, "phase": "load", "batch": None, "seq": None, "error": f"{type(e).__name__}: {e}"[:400]})
             free(device)
             continue
-        if "load" in opts.phases:
+        if "load" in opts.phases and alone is None:
             emit({**base, "phase": "load", "batch": None, "seq": None, "tokens_per_s": None, "seconds": seconds,
                   "peak_gb": peak_gb(device), "resident_gb": resident_bytes(model) / GB})
         if name == "bf16" and prompts:
@@ -212,6 +222,7 @@ def measure(model_name: str, folder: Path, impls: dict[str, Loader], device: tor
             except Exception as e:  # noqa: BLE001 - e.g. a step that cannot be captured: say why
                 row["error"] = f"{type(e).__name__}: {e}"[:400]
             emit(row)
+        run = None   # the last case's closure holds the model
         del model
         torch._dynamo.reset()   # a compiled peer's graphs and guards go with its model
         free(device)
@@ -228,6 +239,8 @@ def _cell(phase: str, r: dict, b: dict | None) -> str:
         if b is None or b is r:
             return f"{r['seconds']:.1f} s, {r['resident_gb']:.2f} GB"
         return f"{r['seconds'] / b['seconds']:.2f}x time, {r['resident_gb'] / b['resident_gb']:.2f}x bytes"
+    if phase == "reload":   # against a device copy of the same bytes
+        return f"{r['seconds']:.3f} s, {r['ratio_to_copy']:.1f}x copy"
     if b is None or b is r:
         return f"{r['tokens_per_s']:,.0f} tok/s"
     return f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x"

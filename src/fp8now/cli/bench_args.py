@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-PHASES = ("load", "accuracy", "prefill", "decode")
+PHASES = ("load", "reload", "accuracy", "prefill", "decode")
 DECODE_MODES = ("graph", "compile", "eager")
 
 
@@ -24,6 +24,7 @@ class Options:
     reps: int = 5
     prompts: tuple[int, int] = (4, 128)
     seed: int = 0
+    cold: bool = False   # load rows: the checkpoint evicted from the page cache first
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:
@@ -65,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", default="x".join(map(str, d.prompts)), metavar="PxT",
                    help="accuracy prompts of random token ids: count x tokens, for models without a "
                    "tokenizer (default: %(default)s)")
+    p.add_argument("--cold", action="store_true", help="load rows from a cold page cache (the files evicted "
+                   "first; default: warm, the files read once before every load)")
     p.add_argument("--layers", type=int, default=None,
                    help="decoder layers of a preset (default: the preset's own: all 32 for llama3.1-8b, 8 "
                    "for qwen3-30b-a3b)")
@@ -97,4 +100,5 @@ def options(args: argparse.Namespace) -> Options:
     if len(prompts) != 1:
         raise ValueError(f"--prompts takes one PxT pair such as 4x128, got {args.prompts!r}")
     return Options(phases=phases, prefill=_pairs(args.prefill, "--prefill"), decode=_ints(args.decode, "--decode"),
-                   context=args.context, decode_mode=args.decode_mode, reps=args.reps, prompts=prompts[0])
+                   context=args.context, decode_mode=args.decode_mode, reps=args.reps, prompts=prompts[0],
+                   cold=args.cold)

@@ -13,6 +13,7 @@ def bench_command(args, device) -> int:
     """bf16 and fp8now's scheme(s) of `args` on `device` (None: auto) through bench.measure; prints the
     ratio table, or one JSON object (output.envelope) with --json. Returns the exit status."""
     from .bench import measure, ratio_table
+    from .bench_alone import measure_alone
     from .bench_load import bf16_loader, fp8now_loader
     from .bench_args import options
     from .flags import flag_config, layer_options
@@ -33,7 +34,11 @@ def bench_command(args, device) -> int:
         name, folder = bench_model_dir(args.model, workdir, args.layers, device, log=log)
         layers = layer_options(args)   # --fp8-head / --fp8-embedding
         impls = {"bf16": bf16_loader, **{f"fp8now-{k}": fp8now_loader(k, **layers) for k in keys}}
-        reports = measure(name, folder, impls, device, opts, rows.append, log)["reports"]
+        alone = None
+        if layers == {"head": False, "embedding": False, "weight_numerics": "spec"}:   # bench_alone's names
+            alone = lambda impl, reload: measure_alone([sys.executable, "-m", "fp8now.cli.bench_alone"], impl,  # noqa: E731
+                                                       folder, device, opts.cold, reload)
+        reports = measure(name, folder, impls, device, opts, rows.append, log, alone=alone)["reports"]
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
