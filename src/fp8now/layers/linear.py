@@ -9,7 +9,7 @@ from torch import nn
 
 from . import decode_graphs
 from ..config import Fp8Config, Scheme
-from ..kernels import backend_module, device_class, pick_backend, quantize_weight, workspace
+from ..kernels import backend_module, cpu_wquant, device_class, pick_backend, quantize_weight, workspace
 from ..kernels.plan import Path, Table, Weights, plan
 from ..numerics import E4M3FN
 
@@ -143,7 +143,12 @@ class Fp8Linear(nn.Module):
                                  "(nothing of this layer was written)")
         device = w.device if self.weight.is_meta else self.weight.device
         w = w.to(device)
-        q, s = quantize_weight(w, self.scheme, self.name or None, self.weight_numerics, amax, checked)
+        work = None
+        if device.type == "cpu" and amax is None and self.weight_numerics == "spec":
+            # one pass: the bytes, the scales and the cpu backend's working copy (NaN/Inf checked by the amax)
+            q, s, work = cpu_wquant.quantize_weight(w, self.scheme, self.name or None)
+        else:
+            q, s = quantize_weight(w, self.scheme, self.name or None, self.weight_numerics, amax, checked)
         self.scale_dtype, s = s.dtype, s.float()   # float32 holds llm-compressor's bf16 scales exactly
         if self.weight.is_meta:
             self.weight = nn.Parameter(q, requires_grad=False)
@@ -158,12 +163,13 @@ class Fp8Linear(nn.Module):
             else:
                 self.bias.data.copy_(bias)
         if self.backend is None or self._impl is None:
-            self.pick_backend()
+            self.pick_backend(work)
         else:
-            self._prepare()
+            self._prepare(work)
 
-    def pick_backend(self) -> str:
-        """(Re)choose the backend for the layer's current device; call again after moving it."""
+    def pick_backend(self, work: torch.Tensor | None = None) -> str:
+        """(Re)choose the backend for the layer's current device; call again after moving it. `work`: the cpu
+        backend's working copy, made with the FP8 bytes (used if that backend is chosen)."""
         self.backend = pick_backend(self.weight.device, self.scheme, self.act_kind, self.out_features,
                                     self.in_features, self.forced_backend, self.batch_invariant, self.fast_accum)
         self._impl = backend_module(self.backend)
@@ -175,7 +181,7 @@ class Fp8Linear(nn.Module):
         self._graph_rows = decode_graphs.max_rows(self.out_features, self.in_features) if graphed else 0
         self._graphs = decode_graphs.DecodeGraphs() if self._graph_rows else None
         self._work = None
-        self._prepare()
+        self._prepare(work)
         return self.backend
 
     def path(self, m: int, compiling: bool = False) -> Path:
@@ -191,10 +197,16 @@ class Fp8Linear(nn.Module):
         if self.backend is not None:
             self.pick_backend()
 
-    def _prepare(self) -> None:
-        """(Re)build the backend's derived state from the current FP8 bytes, in place when it exists."""
+    def _prepare(self, work: torch.Tensor | None = None) -> None:
+        """(Re)build the backend's derived state from the current FP8 bytes, in place when it exists (`work`:
+        the cpu backend's working copy, already made by the quantizer)."""
         prepare = getattr(self._impl, "prepare", None)
-        if prepare is not None:
+        if work is not None and self.backend == "cpu":
+            if self._work is None or self._work.shape != work.shape:
+                self._work = work
+            else:
+                self._work.copy_(work)   # a reload keeps the working copy's storage
+        elif prepare is not None:
             with torch.no_grad():
                 self._work = prepare(self.weight, self.weight_scale, self.scheme, self._work)
 

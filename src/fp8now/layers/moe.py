@@ -133,12 +133,14 @@ class Fp8Experts(nn.Module):
         return w13, w2
 
     def load_(self, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None = None,
-              b2: torch.Tensor | None = None, amax: dict[str, torch.Tensor] | None = None) -> None:
+              b2: torch.Tensor | None = None, amax: dict[str, torch.Tensor] | None = None,
+              checked: bool = False) -> None:
         """Quantize float `w13 [E, 2I, H]`, `w2 [E, H, I]` (biases `[E, 2I]`, `[E, H]`) one expert at a
         time; in place when storage exists (same tensors, same data_ptr), else created on w13's device.
         `amax` {"w13"/"w2": [E, ...] numerics.weight_amax per expert}: scale amaxes to use instead of
         measuring them (tensor parallelism inside the experts: the MAX over the group, SPEC §6).
-        Dtypes, shapes and NaN/Inf of every input are checked before anything is written."""
+        Dtypes, shapes and NaN/Inf of every input are checked before anything is written (NaN/Inf with one
+        host sync for the whole layer; not again with `checked`: the caller did, e.g. for a whole reload)."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         check_float_weight(w13, f"{self.name}.w13", (e, 2 * i, h))
         check_float_weight(w2, f"{self.name}.w2", (e, h, i))
@@ -149,7 +151,8 @@ class Fp8Experts(nn.Module):
         if has_bias:
             check_float_weight(b13, f"{self.name}.w13_bias", (e, 2 * i))
             check_float_weight(b2, f"{self.name}.w2_bias", (e, h))
-        self._check_finite(w13, w2, b13, b2)
+        if not checked:
+            self._check_finite(w13, w2, b13, b2)
         device = w13.device if self.w13.is_meta else self.w13.device
         p13, p2 = self.padded(w13.to(device), w2.to(device))
         for leaf, w in (("w13", p13), ("w2", p2)):
@@ -163,7 +166,7 @@ class Fp8Experts(nn.Module):
             for x in range(e):
                 what = f"{self.name}.{leaf}[{x}]"
                 given = None if amax is None or leaf not in amax else amax[leaf][x]
-                q, s = quantize_weight(w[x], self.scheme, what, self.weight_numerics, given)
+                q, s = quantize_weight(w[x], self.scheme, what, self.weight_numerics, given, checked=True)
                 self.scale_dtype = s.dtype   # llm-compressor's: the weight's dtype (float32 holds it exactly)
                 q_all.data[x].copy_(q)
                 s_all.data[x].copy_(s.reshape(s_all.shape[1:]))

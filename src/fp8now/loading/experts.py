@@ -65,6 +65,7 @@ class ExpertsLoad:
         self.pending: dict[str, dict[str, object]] = {}       # layer -> fused leaf -> tensor or {key: tensor}
         self.rows: list[ExpertsRow] = []
         self._lookup: dict[str, bool] | None = None
+        self.checked = False   # NaN/Inf of every tensor were checked before the first write (a reload's dict)
         self.tp = tp     # parallel.experts.ExpertsTp under tensor parallelism: which parts to read, how to quantize
 
     def add_slots(self, slots: dict[str, Slot]) -> None:
@@ -153,7 +154,7 @@ class ExpertsLoad:
         for lf, shape in leaves.items():
             check_float_weight(tensors[lf], f"{name}.{lf}", shape)
         w13, w2, b13, b2 = hf_to_fused(layout, *(tensors.get(lf) for lf in (*FUSED_LEAVES, *BIAS_LEAVES)))
-        load = layer.load_ if self.tp is None else partial(self.tp.load, layer)  # tp: SPEC §6 scales
+        load = partial(layer.load_, checked=self.checked) if self.tp is None else partial(self.tp.load, layer)
         try:
             load(w13.to(device), w2.to(device), *(None if b is None else b.to(device=device, dtype=dtype)
                                                   for b in (b13, b2)))

@@ -57,6 +57,8 @@ class Sinks:
                  plain: str = "store", whole: bool = False, checked: bool = False, deferred: bool = True) -> None:
         self.plan, self.device, self.dtype, self.measure = plan, device, dtype, measure
         self.plain, self.whole, self.checked, self.deferred = plain, whole, checked, deferred
+        if plan.experts is not None:
+            plan.experts.checked = checked
         self.finite = FiniteCheck()
         self.rows: list = []                       # report rows of the layers quantized or adopted
         self.skipped: list[tuple[str, str]] = []   # (key, why) read but not used
