@@ -40,6 +40,8 @@ def build_report(model: nn.Module, rows: list[LayerRow], ignored: list[tuple[str
                         scheme=config.scheme.value, layers=rows, ignored=ignored)
     for row in rows:
         layer = layers[row.name]
+        if row.plan and isinstance(layer, Fp8Linear):   # again: a producer in front (share_inputs) shows
+            row.plan = plan_names(layer)
         if isinstance(layer, Fp8Embedding) and layer.tied_to is not None:
             continue   # the head's bytes, counted with the head
         report.bf16_bytes += 2 * layer.weight.numel()
