@@ -93,7 +93,7 @@ def main():
                          EARLY=early), dict(num_warps=warps))
     gemvs = {(rows, act == "group", c["BLOCK_N"], c["BLOCK_K"], c["num_warps"]) for (rows, act), table in
              tv.GEMV_CONFIGS.items() for _, c in table}
-    gemv_floors = dict(FMAX=E4M3FN.fmax, TOKEN_FLOOR=E4M3FN.min_scale, GROUP_FLOOR=GROUP_AMAX_FLOOR)
+    gemv_floors = dict(FMAX=E4M3FN.fmax, TOKEN_FLOOR=E4M3FN.min_scale, GROUP_FLOOR=GROUP_AMAX_FLOOR, AMAX_K=tv.AMAX_K)
     for rows, group, bn, bk, warps in sorted(gemvs):
         for pdl, quant in ((False, False), (True, False), (False, True)):   # quant: x in bf16, quantized inside
             compile_one(f"gemv rows={rows} group={group} {bn}x{bk}-w{warps} pdl={pdl}" + " quant_x" * quant,

@@ -30,6 +30,7 @@ from ..numerics import E4M3FN, GROUP_AMAX_FLOOR
 from . import triton_jit as tj
 from .plan import GEMV_MAX_M, rows_bucket
 from .triton_jit import abs_bits, as_f32, to_fp8
+from .triton_quant import pow2
 from .triton_support import gdc_wait, require_triton, sm90, tl, triton
 
 # Launch configs by (ROWS, activation scales: "token" for tensor / channel, "group" for block), then by
@@ -47,6 +48,7 @@ GEMV_CONFIGS = {
     (4, "group"): [(None, dict(BLOCK_N=4, BLOCK_K=512, **_C))],
 }
 MAX_M = GEMV_MAX_M
+AMAX_K = 4096   # at most this many elements per load of the per-token amax pass (QUANT_X)
 W_KINDS = ("tensor", "channel", "block")
 
 
@@ -124,7 +126,8 @@ def _store_row(acc, r, M, s_x, ws_ptr, b_ptr, y_ptr, rn, offs_n, N, stride_wsn, 
 def _gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_xsm, stride_xsk,
                  stride_ym, stride_wn, stride_wsn, stride_wsk, ACT_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                 QUANT_X: tl.constexpr, FMAX: tl.constexpr, TOKEN_FLOOR: tl.constexpr, GROUP_FLOOR: tl.constexpr):
+                 QUANT_X: tl.constexpr, FMAX: tl.constexpr, TOKEN_FLOOR: tl.constexpr, GROUP_FLOOR: tl.constexpr,
+                 AMAX_K: tl.constexpr):
     # one [BLOCK_N, BLOCK_K] float32 accumulator per activation row (ROWS <= 4), each reduced once at the end
     tl.static_assert(ROWS == 1 or ROWS == 2 or ROWS == 4)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -139,18 +142,19 @@ def _gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm,
     acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if PDL:  # launched early (programmatic dependent launch): wait for the quantizer's writes
         gdc_wait()
-    # token scales: each row's, read, or (QUANT_X) from its amax over all of K (the rows sit in L2)
+    # token scales: each row's, read, or (QUANT_X) from its amax over all of K (the rows sit in L2), read
+    # AMAX_K elements at a time (a 4096-wide row in one load: one L2 round trip before the weight stream)
     rows = (x_ptr, xs_ptr)
     row_args = (M, K, stride_xm, stride_xsm)   # (constexprs are passed one by one: a tuple drops them)
-    s0 = _scale_of_row(*rows, 0, *row_args, ACT_GROUP, QUANT_X, FMAX, TOKEN_FLOOR, BLOCK_K)
+    s0 = _scale_of_row(*rows, 0, *row_args, ACT_GROUP, QUANT_X, FMAX, TOKEN_FLOOR, AMAX_K)
     s1 = s0
     s2 = s0
     s3 = s0
     if ROWS >= 2:
-        s1 = _scale_of_row(*rows, 1, *row_args, ACT_GROUP, QUANT_X, FMAX, TOKEN_FLOOR, BLOCK_K)
+        s1 = _scale_of_row(*rows, 1, *row_args, ACT_GROUP, QUANT_X, FMAX, TOKEN_FLOOR, AMAX_K)
     if ROWS == 4:
-        s2 = _scale_of_row(*rows, 2, *row_args, ACT_GROUP, QUANT_X, FMAX, TOKEN_FLOOR, BLOCK_K)
-        s3 = _scale_of_row(*rows, 3, *row_args, ACT_GROUP, QUANT_X, FMAX, TOKEN_FLOOR, BLOCK_K)
+        s2 = _scale_of_row(*rows, 2, *row_args, ACT_GROUP, QUANT_X, FMAX, TOKEN_FLOOR, AMAX_K)
+        s3 = _scale_of_row(*rows, 3, *row_args, ACT_GROUP, QUANT_X, FMAX, TOKEN_FLOOR, AMAX_K)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < K
@@ -240,6 +244,6 @@ def gemv(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind: str,
         x2, w_s if quant_x else x_scale, w_q, w_s, bias if bias is not None else w_s, y, M, N, K, x2.stride(0),
         sxm, sxk, y.stride(0), w_q.stride(0), swn, swk, ACT_GROUP=w_kind == "block", HAS_BIAS=bias is not None,
         ROWS=rows, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL=bool(launch), QUANT_X=quant_x,
-        FMAX=E4M3FN.fmax, TOKEN_FLOOR=E4M3FN.min_scale, GROUP_FLOOR=GROUP_AMAX_FLOOR,
+        FMAX=E4M3FN.fmax, TOKEN_FLOOR=E4M3FN.min_scale, GROUP_FLOOR=GROUP_AMAX_FLOOR, AMAX_K=min(pow2(K), AMAX_K),
         num_warps=cfg["num_warps"], **launch)
     return y
