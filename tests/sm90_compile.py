@@ -25,6 +25,7 @@ from fp8now.kernels import triton_block as tb, triton_decode as td, triton_gemv 
 from fp8now.kernels import triton_rowwise as tr, triton_splitk as tk, triton_w8a16 as t8, triton_wquant as tw  # noqa: E402
 from fp8now.kernels import moe_align as ma, plan as kp, triton_moe as tm, triton_moe_act as ta  # noqa: E402
 from fp8now.kernels import triton_moe_direct as md  # noqa: E402
+from fp8now.kernels import triton_norm as tn, triton_silu_mul as tsm  # noqa: E402
 from fp8now.numerics import E4M3FN, GROUP_AMAX_FLOOR  # noqa: E402
 
 FP8, F32, BF16, I32 = "*fp8e4nv", "*fp32", "*bf16", "*i32"
@@ -64,16 +65,18 @@ def main():
     floors = dict(FMAX=E4M3FN.fmax, TOKEN_FLOOR=E4M3FN.min_scale, GROUP_FLOOR=GROUP_AMAX_FLOOR)
     tiles = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
     opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    for group, quant, pdl, levels, fast in [
+    for group, quant, pdl, levels, fast, *rows in [
             (False, False, False, 0, False), (False, False, True, 0, False), (False, True, False, 0, False),
             (True, False, False, 0, False), (True, True, False, 0, False), (False, False, True, 2, False),
             (True, False, False, 1, False), (False, False, True, 0, True), (False, True, False, 0, True),
-            (False, False, True, 2, True)]:
+            (False, False, True, 2, True), (False, True, False, 0, False, 16), (True, True, False, 0, False, 16)]:
         ptrs = dict(x_ptr=BF16 if quant else FP8, xs_ptr=F32, w_ptr=FP8, ws_ptr=F32, b_ptr=F32,
                     y_ptr=BF16, part_ptr=I32 if levels else F32, cnt_ptr=I32)
-        consts = dict(ACT_GROUP=group, QUANT_X=quant, ROWS=1 if quant else 16, SPLITS=max(4, 1 << levels),
+        consts = dict(ACT_GROUP=group, QUANT_X=quant, ROWS=(rows or [1 if quant else 16])[0],
+                      SPLITS=max(4, 1 << levels),
                       HAS_BIAS=True, PDL=pdl, LEVELS=levels, EMPTY=td.EMPTY, FAST_ACCUM=fast, **floors, **tiles)
-        compile_one(f"decode group={group} quant={quant} pdl={pdl} exchange_levels={levels}" + " fast_accum" * fast,
+        compile_one(f"decode group={group} quant={quant} pdl={pdl} exchange_levels={levels}" + " fast_accum" * fast
+                    + f" rows={consts['ROWS']}" * bool(rows),
                     td._decode_kernel, ptrs, consts, dict(opts, launch_pdl=pdl), scalars=dict(one="fp32"))
     q = dict(x_ptr=BF16, q_ptr=FP8, s_ptr=F32)
     # the launch plans of a decode row, and of long rows in both chunk widths
@@ -91,17 +94,19 @@ def main():
                          EARLY=early), dict(num_warps=warps))
     gemvs = {(rows, act == "group", c["BLOCK_N"], c["BLOCK_K"], c["num_warps"]) for (rows, act), table in
              tv.GEMV_CONFIGS.items() for _, c in table}
+    gemv_floors = dict(FMAX=E4M3FN.fmax, TOKEN_FLOOR=E4M3FN.min_scale, GROUP_FLOOR=GROUP_AMAX_FLOOR, AMAX_K=tv.AMAX_K)
     for rows, group, bn, bk, warps in sorted(gemvs):
-        for pdl in (False, True):
-            compile_one(f"gemv rows={rows} group={group} {bn}x{bk}-w{warps} pdl={pdl}", tv._gemv_kernel,
-                        GEMM_PTRS,
-                        dict(ACT_GROUP=group, HAS_BIAS=True, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl),
-                        dict(num_warps=warps, launch_pdl=pdl))
+        for pdl, quant in ((False, False), (True, False), (False, True)):   # quant: x in bf16, quantized inside
+            compile_one(f"gemv rows={rows} group={group} {bn}x{bk}-w{warps} pdl={pdl}" + " quant_x" * quant,
+                        tv._gemv_kernel, dict(GEMM_PTRS, x_ptr=BF16 if quant else FP8),
+                        dict(ACT_GROUP=group, HAS_BIAS=True, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl,
+                             QUANT_X=quant, **gemv_floors), dict(num_warps=warps, launch_pdl=pdl))
     # torch.compile (inductor) may pass M = 1 as a constant despite do_not_specialize: that must compile too
     for group in (False, True):
         compile_one(f"gemv rows=1 group={group} M=1 constant", tv._gemv_kernel, GEMM_PTRS,
-                    dict(M=1, ACT_GROUP=group, HAS_BIAS=False, ROWS=1, BLOCK_N=4, BLOCK_K=1024, PDL=False),
-                    dict(num_warps=4))
+                    dict(M=1, ACT_GROUP=group, HAS_BIAS=False, ROWS=1, BLOCK_N=4, BLOCK_K=1024, PDL=False,
+                         QUANT_X=True, **gemv_floors), dict(num_warps=4))
+    producers()
     compile_one("amax", tw._amax_kernel, dict(x_ptr=BF16, amax_ptr=I32),
                 dict(BLOCK_M=8, BLOCK_K=1024, K_ITERS=8), dict(num_warps=16))
     compile_one("tensor_quant", tw._tensor_quant_kernel, dict(x_ptr=BF16, q_ptr=FP8, amax_ptr=I32, s_ptr=F32),
@@ -127,6 +132,28 @@ def main():
                 dict(UPCAST_DOT=False, HAS_BIAS=True, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
                      BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"]),
                 dict(num_warps=c["num_warps"], num_stages=c["num_stages"]), cap=80)
+
+
+def producers():
+    """The RMSNorm (+ FP8 output) and SiLU * up (+ FP8 output) kernels of fp8now.layers.producers, at decode and
+    Llama-3.1-8B / 70B row widths."""
+    floors = dict(FMAX=E4M3FN.fmax, TOKEN_FLOOR=E4M3FN.min_scale, GROUP_FLOOR=GROUP_AMAX_FLOOR)
+    for quant in (0, 1, 2):
+        for block in (4096, 8192):
+            compile_one(f"rms_norm quant={quant} bk={block}", tn._rms_norm_kernel,
+                        dict(x_ptr=BF16, w_ptr=BF16, y_ptr=BF16, q_ptr=FP8 if quant else BF16,
+                             s_ptr=F32 if quant else BF16), dict(QUANT=quant, BLOCK_K=block, **floors),
+                        dict(num_warps=8, enable_fp_fusion=False), scalars=dict(inv_k="fp32", eps="fp32"))
+    for quant in (0, 2):
+        compile_one(f"silu_mul quant={quant}", tsm._silu_mul_kernel,
+                    dict(g_ptr=BF16, u_ptr=BF16, h_ptr=BF16, q_ptr=FP8 if quant else BF16,
+                         s_ptr=F32 if quant else BF16),
+                    dict(QUANT=quant, FMAX=E4M3FN.fmax, GROUP_FLOOR=GROUP_AMAX_FLOOR, BLOCK=2048), dict(num_warps=4))
+    for single, block in ((True, 16384), (False, 2048)):
+        compile_one(f"silu_mul_token single={single}", tsm._silu_mul_token_kernel,
+                    dict(g_ptr=BF16, u_ptr=BF16, q_ptr=FP8, s_ptr=F32),
+                    dict(FMAX=E4M3FN.fmax, FLOOR=E4M3FN.min_scale, BLOCK=block, SINGLE=single),
+                    dict(num_warps=16 if single else 4))
 
 
 def moe():

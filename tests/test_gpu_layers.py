@@ -179,7 +179,8 @@ def test_decode_pdl_launch_reads_the_fresh_activation(scheme, m, gemv):
     from fp8now.kernels import triton_fp8
     from fp8now.kernels.plan import WIDE, Table, Weights
     lin, layer = layer_for(4096, 4096, scheme, "triton", bias=False)
-    layer.use_table(Table(gemv=tuple((s.value, r, 0, WIDE) for s in Scheme for r in (1, 2, 4)) if gemv else ()))
+    layer.use_table(Table(gemv=tuple((s.value, r, 0, WIDE) for s in Scheme for r in (1, 2, 4)) if gemv else (),
+                          quant_inside=()))   # the quantizer first (by default these GEMMs quantize themselves)
     path = layer.path(m)
     assert path.pdl and path.gemm == ("triton-gemv" if gemv else "triton-decode-exchange")
     xs = [varied((m, 4096), torch.float32, seed=m * 100 + i, spread=3).cuda().to(torch.bfloat16)
@@ -257,7 +258,7 @@ def test_compiled_quantization_fuses_into_the_producing_norm(scheme, fused, m):
     from fp8now.kernels.plan import Table
     kind = "token" if scheme is Scheme.CHANNEL else "group"
     lin, layer = layer_for(1024, 2048, scheme, "auto")
-    layer.use_table(Table(compiled_quant=(kind,) if fused else ()))
+    layer.use_table(Table(compiled_quant=(kind,) if fused else (), quant_inside=()))   # else M = 4: inside the GEMM
     assert (layer.path(m, compiling=True).quant == "torch") == fused
     w = (1 + 0.1 * torch.randn(2048, device="cuda")).to(torch.bfloat16)
 

@@ -17,42 +17,67 @@ NS = [1024, 2048, 4096, 6144, 6160, 8192, 8208, 14336, 28672]
 KS = [1024, 1536, 4096, 8192, 8320, 14336]
 
 
-def expected(scheme: Scheme, m: int, n: int, k: int, invariant: bool, compiling: bool):
-    """(quantizer, GEMM, config, pdl) the H200 rules give a triton-backend call."""
+def expected(scheme: Scheme, m: int, n: int, k: int, invariant: bool, compiling: bool, inside: bool = True):
+    """(quantizer, GEMM, config, pdl) the H200 rules give a triton-backend call; `inside`: the GEMV and the
+    decode kernel quantize their own input (issue 38; Table.quant_inside) where a Triton quantizer would."""
     group = scheme is Scheme.BLOCK
     quant = "torch" if compiling and not group else "triton"
+    own = "fused" if inside and quant == "triton" else quant    # the decode GEMMs' quantizer
     if invariant:
         return quant, "triton-block" if group else "triton-rowwise", {}, False
     few = 4096 <= n <= 8192
     splits = 4 if k > 8192 and n < 8192 else 2
     if m == 1 and (scheme is Scheme.CHANNEL or (scheme is Scheme.TENSOR and n <= 6144)
                    or (group and n >= 4096)):
-        return quant, "triton-gemv", {}, not compiling
+        return own, "triton-gemv", {}, own == "triton" and not compiling
     if m == 1 and scheme is Scheme.TENSOR:
         return quant, "cublas-tensorwise", {}, False
     if m <= 16 and not group:
-        pdl = m <= 4 and not compiling
+        pdl = m <= 4 and not compiling and own == "triton"
         if few:
-            return quant, "triton-decode-exchange" if splits == 2 else "triton-decode", \
+            return own, "triton-decode-exchange" if splits == 2 else "triton-decode", \
                 {"SPLIT_K": splits, "num_stages": 6}, pdl
-        return quant, "triton-decode", {}, pdl
+        return own, "triton-decode", {}, pdl
     if m == 1 and n <= 8192:
         return "fused", "triton-decode", {}, False
     if m <= 16 and few:
-        return quant, "triton-decode", {"SPLIT_K": 2 * splits}, False
+        return own, "triton-decode", {"SPLIT_K": 2 * splits}, False
     if group:
         cublas = m > 32 and k % 512 == 0
         return quant, "cublas-blockwise" if cublas else "triton-block", {}, False
     return quant, "triton-rowwise" if m <= 64 else "cublas-rowwise", {}, False
 
 
-def test_triton_plan_follows_the_rules_over_the_grid():
+@pytest.mark.parametrize("inside", [True, False])
+def test_triton_plan_follows_the_rules_over_the_grid(inside):
+    table = Table() if inside else Table(quant_inside=())
     for scheme, m, n, k, invariant, compiling in itertools.product(Scheme, MS, NS, KS, (False, True), (False, True)):
-        path = plan("triton", scheme, ACT[scheme], m, n, k, "cuda-fp8", invariant, compiling)
+        path = plan("triton", scheme, ACT[scheme], m, n, k, "cuda-fp8", invariant, compiling, table)
         got = (path.quant, path.gemm, dict(path.config), path.pdl)
-        assert got == expected(scheme, m, n, k, invariant, compiling), (scheme, m, n, k, invariant, compiling)
+        assert got == expected(scheme, m, n, k, invariant, compiling, inside), (scheme, m, n, k, invariant, compiling)
         assert path.invariant == invariant and path.act == ACT[scheme] and path.scheme is scheme
         assert ("cublas" in path.name) == path.gemm.startswith("cublas")
+
+
+def test_a_producer_hands_its_bytes_to_every_gemm_it_feeds():
+    """With a producer in front (issue 38: RMSNorm or SiLU * up writing the FP8 input), every triton path
+    reads its bytes: the same GEMM as without one, no quantizer, no programmatic dependent launch, named
+    after the producer; unless the table leaves that producer's kernel or its quantization out. The other
+    backends quantize their input themselves; an unknown producer is refused."""
+    for producer in ("rmsnorm", "silu-mul"):
+        for scheme, m, n, k, invariant, compiling in itertools.product(Scheme, MS, NS, KS[:3], (False, True),
+                                                                        (False, True)):
+            args = ("triton", scheme, ACT[scheme], m, n, k, "cuda-fp8", invariant, compiling)
+            fed, alone = plan(*args, producer=producer), plan(*args)
+            assert (fed.gemm, fed.config, fed.invariant, fed.quant, fed.pdl) == \
+                (alone.gemm, alone.config, alone.invariant, producer, False)
+            assert fed.name.startswith(f"{producer}-{ACT[scheme]} + {fed.gemm}")
+            for table in (Table(producer_quant=()), Table(producer_kernels=(producer == "rmsnorm") * ("silu-mul",))):
+                assert plan(*args, table=table, producer=producer) == plan(*args, table=table)
+        assert plan("cpu", Scheme.CHANNEL, "token", 1, 64, 64, "cpu", producer=producer).quant == "cpu"
+        assert plan("torch", Scheme.BLOCK, "group", 1, 64, 128, "cuda-fp8", producer=producer).quant == "torch"
+    with pytest.raises(ValueError, match="unknown producer 'gelu'"):
+        plan("triton", Scheme.CHANNEL, "token", 1, 64, 64, "cuda-fp8", producer="gelu")
 
 
 def test_other_backends_name_their_one_path():
@@ -75,9 +100,16 @@ def test_a_custom_table_changes_the_choice():
     assert plan(*args, 17, 4096, 4096, "cuda-fp8").gemm == "triton-rowwise"
     assert plan(*args, 17, 4096, 4096, "cuda-fp8", table=Table(rowwise_max_m=16)).gemm == "cublas-rowwise"
     assert plan(*args, 1, 4096, 4096, "cuda-fp8", table=Table(gemv=())).gemm == "triton-decode-exchange"
-    assert not plan(*args, 4, 1024, 4096, "cuda-fp8", table=Table(pdl_max_m=2)).pdl
+    assert plan(*args, 4, 1024, 4096, "cuda-fp8", table=Table(quant_inside=())).pdl
+    assert not plan(*args, 4, 1024, 4096, "cuda-fp8", table=Table(pdl_max_m=2, quant_inside=())).pdl
+    assert plan(*args, 1, 4096, 4096, "cuda-fp8").quant == "fused"
+    assert plan(*args, 1, 4096, 4096, "cuda-fp8", table=Table(quant_inside=(("triton-decode", 16),))).quant == "triton"
+    assert plan(*args, 8, 4096, 4096, "cuda-fp8", table=Table(quant_inside=(("triton-decode-exchange", 4),))).name \
+        == "triton-token + triton-decode-exchange (SPLIT_K=2, num_stages=6)"
     assert plan(*args, 8, 4096, 4096, "cuda-fp8", table=Table(few_splits_n=(1, 0))).config == ()
-    assert plan(*args, 8, 4096, 4096, "cuda-fp8", compiling=True, table=Table(compiled_quant=())).quant == "triton"
+    assert plan(*args, 8, 4096, 4096, "cuda-fp8", compiling=True, table=Table(compiled_quant=())).quant == "fused"
+    assert plan(*args, 8, 4096, 4096, "cuda-fp8", compiling=True,
+                table=Table(compiled_quant=(), quant_inside=())).quant == "triton"
     block = ("triton", Scheme.BLOCK, "group")
     assert plan(*block, 4096, 4096, 4096, "cuda-fp8").gemm == "cublas-blockwise"
     assert plan(*block, 4096, 4096, 4096, "cuda-fp8", table=Table(block_large="triton")).gemm == "triton-block"

@@ -66,3 +66,14 @@ def test_direct_moe_kernels_use_tensor_cores_and_an_acq_rel_ticket(compiled):
     for name, r in direct.items():
         assert r["acq_rel_atom"] == name.startswith("moe_direct_w2"), name
     assert {"moe_align_counts bins=256", "moe_align_place bins=256"} <= set(compiled)
+
+
+def test_issue38_kernels_compile_for_sm90(compiled):
+    """The GEMV and decode kernels quantizing their own input, and the producers' kernels (RMSNorm, SiLU * up,
+    each with its FP8 output) compile; the norm squares without fused multiply-adds (each x² rounded, as
+    torch's pow rounds it before its sum)."""
+    names = [n for n in compiled if n.endswith(" quant_x") or n.startswith(("rms_norm", "silu_mul"))
+             or n.endswith(" rows=16")]
+    assert len([n for n in names if n.startswith("gemv")]) == 9 and len(names) == 9 + 6 + 4 + 2, names
+    assert all(compiled[n]["ok"] and not compiled[n]["gdc_wait"] for n in names)
+    assert all(compiled[n]["fma_f32"] == 0 for n in names if n.startswith("rms_norm"))

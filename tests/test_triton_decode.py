@@ -209,7 +209,8 @@ def test_triton_backend_decode_dispatch(scheme, m, fused_max_n, gemv, few):
     from fp8now.kernels import triton_fp8
     from fp8now.kernels.plan import WIDE, Table, Weights, plan
     table = Table(fused_block_max_n=fused_max_n, few_splits_n=(0, WIDE) if few else (1, 0), tensorwise_m1=False,
-                  gemv=tuple((s, r, 0, WIDE) for s in ("tensor", "channel", "block") for r in (1, 2, 4)) if gemv else ())
+                  gemv=tuple((s, r, 0, WIDE) for s in ("tensor", "channel", "block") for r in (1, 2, 4)) if gemv else (),
+                  quant_inside=())   # the Triton quantizer first (GEMMs quantizing inside: test_decode_fusion.py)
     act = "group" if scheme == "block" else "token"
     x, w_q, w_s, b = _operands(m, 160, 1024, scheme, seed=31 + m)   # K=1024: auto-split in two
     path = plan("triton", Scheme(scheme), act, m, 160, 1024, "cuda-fp8", table=table)

@@ -21,6 +21,7 @@ from ..config import Scheme
 DECODE_MAX_M = 16   # rows of the split-K decode kernel's one row tile (triton_decode.MAX_M)
 GEMV_MAX_M = 4      # rows the GEMV holds accumulators for (triton_gemv.MAX_M)
 WIDE = 1 << 62      # an open upper end of an N range
+PRODUCERS = ("rmsnorm", "silu-mul")   # ops whose kernel can quantize the input of the linears after them
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,16 @@ class Table:
     # under torch.compile, these kinds quantize with torch ops that inductor fuses into the producer
     # (1x128 groups: inductor splits them into passes that recompute the producer, so not "group")
     compiled_quant: tuple[str, ...] = ("token",)
+    # GEMMs that quantize their own bf16 input, no quantizer launch: (GEMM, up to M) rows. The GEMV and
+    # the decode kernel recompute the row amax over K in every program (the rows sit in L2).
+    quant_inside: tuple[tuple[str, int], ...] = (
+        ("triton-gemv", GEMV_MAX_M), ("triton-decode", DECODE_MAX_M), ("triton-decode-exchange", DECODE_MAX_M))
+    # transformers' ops in front of FP8 linears that run as one Triton kernel (fp8now.layers.producers):
+    # "rmsnorm" (Llama / Qwen3 RMSNorm -> q/k/v, gate/up), "silu-mul" (act_fn(gate) * up -> down_proj)
+    producer_kernels: tuple[str, ...] = PRODUCERS
+    # of those, the ones whose kernel also writes the FP8 bytes + scales its consumers read instead of
+    # quantizing its bf16 output themselves (the same bytes)
+    producer_quant: tuple[str, ...] = PRODUCERS
 
 
 # Device class -> table. Only "cuda-fp8" runs the triton backend; its numbers come from the H200.
@@ -54,7 +65,8 @@ TABLES: Mapping[str, Table] = MappingProxyType({"cuda-fp8": Table(), "cuda": Tab
 @dataclass(frozen=True)
 class Path:
     """What one call runs: `quant` computes the activation's `act` scales ("triton", "torch" ops,
-    "fused" into the GEMM kernel, or "none": left in bf16/fp16), then `gemm` with `config` overrides
+    "fused" into the GEMM kernel, a producer's name (`PRODUCERS`: the kernel in front of the layer wrote
+    them), or "none": left in bf16/fp16), then `gemm` with `config` overrides
     (e.g. SPLIT_K, num_stages), as a programmatic dependent launch if `pdl` (sm_90), with one fixed
     configuration for every M if `invariant`, accumulating all of K in the tensor cores' own
     accumulator if `fast_accum` (only GEMMs in FAST_ACCUM_GEMMS)."""
@@ -113,13 +125,23 @@ def blockwise_unfit(k: int) -> str | None:
     return None
 
 
-def _triton(scheme: Scheme, m: int, n: int, k: int, invariant: bool, compiling: bool, t: Table) -> Path:
-    """The triton backend: Triton quantizer (torch ops under compile where the table says), then by M."""
+def _triton(scheme: Scheme, m: int, n: int, k: int, invariant: bool, compiling: bool, t: Table,
+            producer: str | None = None) -> Path:
+    """The triton backend: the producer's FP8 bytes where it writes them (`producer`: the op in front of
+    the layer), else the GEMM's own quantization where the table says, else the Triton quantizer (torch
+    ops under compile where the table says); the GEMM by M."""
     act = "group" if scheme is Scheme.BLOCK else "token"
-    quant = "torch" if compiling and act in t.compiled_quant else "triton"
+    produced = producer in t.producer_quant and producer in t.producer_kernels
+    quant = producer if produced else "torch" if compiling and act in t.compiled_quant else "triton"
+    inside = dict(t.quant_inside)
 
     def path(gemm: str, config: dict | None = None, pdl: bool = False, how: str = quant) -> Path:
-        return Path(scheme, act, how, gemm, tuple((config or {}).items()), pdl and not compiling, invariant)
+        if produced:
+            how = quant
+        elif how == "triton" and m <= inside.get(gemm, 0):
+            how = "fused"
+        pdl = pdl and how == "triton" and not compiling   # a programmatic dependent of the quantizer only
+        return Path(scheme, act, how, gemm, tuple((config or {}).items()), pdl, invariant)
 
     if invariant:
         return path("triton-block" if act == "group" else "triton-rowwise")
@@ -158,13 +180,14 @@ def _torch(scheme: Scheme, act: str, dclass: str) -> Path:
 
 
 # Backend -> its planner (scheme, act, m, n, k, device class, batch_invariant, compiling, table) -> Path.
+# Only the triton backend takes a producer's FP8 bytes (`p`); the others quantize their input themselves.
 PLANNERS: Mapping[str, Callable[..., Path]] = MappingProxyType({
-    "triton": lambda s, a, m, n, k, d, bi, c, t: _triton(s, m, n, k, bi, c, t),
-    "torch": lambda s, a, m, n, k, d, bi, c, t: _torch(s, a, d),
-    "reference": lambda s, a, m, n, k, d, bi, c, t: Path(s, a, "torch", "reference"),
+    "triton": lambda s, a, m, n, k, d, bi, c, t, p: _triton(s, m, n, k, bi, c, t, p),
+    "torch": lambda s, a, m, n, k, d, bi, c, t, p: _torch(s, a, d),
+    "reference": lambda s, a, m, n, k, d, bi, c, t, p: Path(s, a, "torch", "reference"),
     # cpu: its own quantizer widens the FP8 activation to bf16, then one oneDNN bf16 GEMM on the working copy
-    "cpu": lambda s, a, m, n, k, d, bi, c, t: Path(s, a, "cpu", "bf16-matmul", invariant=bi),
-    "triton-w8a16": lambda s, a, m, n, k, d, bi, c, t: Path(s, a, "none", "triton-w8a16"),
+    "cpu": lambda s, a, m, n, k, d, bi, c, t, p: Path(s, a, "cpu", "bf16-matmul", invariant=bi),
+    "triton-w8a16": lambda s, a, m, n, k, d, bi, c, t, p: Path(s, a, "none", "triton-w8a16"),
 })
 
 
@@ -240,13 +263,16 @@ def moe_plan(scheme: Scheme, tokens: int, top_k: int, experts: int, device_class
 
 def plan(backend: str, scheme: Scheme, act: str, m: int, n: int, k: int, device_class: str,
          batch_invariant: bool = False, compiling: bool = False, table: Table | None = None,
-         fast_accum: bool = False) -> Path:
+         fast_accum: bool = False, producer: str | None = None) -> Path:
     """The path of one call of `backend` on x [M, K] and a weight [N, K] (`compiling`: under torch.compile);
-    `table` defaults to the device class's; `fast_accum` marks the GEMMs that have the mode."""
+    `table` defaults to the device class's; `fast_accum` marks the GEMMs that have the mode; `producer`:
+    the op in front of the layer whose kernel can hand it the FP8 activation (`PRODUCERS`), if any."""
     if backend not in PLANNERS:
         raise ValueError(f"no plan for backend {backend!r}; known: {', '.join(PLANNERS)}")
+    if producer is not None and producer not in PRODUCERS:
+        raise ValueError(f"unknown producer {producer!r}; known: {', '.join(PRODUCERS)}")
     if table is None:
         table = TABLES[device_class]
     path = PLANNERS[backend](Scheme.parse(scheme), act, m, n, k, device_class, batch_invariant, compiling,
-                             table)
+                             table, producer)
     return replace(path, fast_accum=True) if fast_accum and path.gemm in FAST_ACCUM_GEMMS else path

@@ -74,6 +74,7 @@ def _decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr
     row_ok = offs_m < M
     rm = (offs_m % M).to(tl.int64)          # rows past M wrap onto real ones (the stores mask them)
     rq = ((pid_m * BLOCK_M + tl.arange(0, ROWS)) % M).to(tl.int64)
+    q_ok = (pid_m * BLOCK_M + tl.arange(0, ROWS) < M)[:, None]   # quantizing: rows past M read as zeros
     rn = (offs_n % N).to(tl.int64)
     k_begin = tl.program_id(1) * K_SPLIT
     k_end = tl.minimum(K, k_begin + K_SPLIT)
@@ -88,7 +89,7 @@ def _decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr
         if QUANT_X:
             bits = tl.zeros((ROWS, BLOCK_K), dtype=tl.int32)
             for k0 in range(0, K, BLOCK_K):
-                xk = tl.load(xq_rows + (k0 + offs_k)[None, :], mask=(k0 + offs_k)[None, :] < K, other=0.0)
+                xk = tl.load(xq_rows + (k0 + offs_k)[None, :], mask=q_ok & ((k0 + offs_k)[None, :] < K), other=0.0)
                 bits = tl.maximum(bits, abs_bits(xk))
             amax = as_f32(tl.max(bits, axis=1))
             s_q = tl.maximum(tl.math.div_rn(amax, FMAX), TOKEN_FLOOR, propagate_nan=tl.PropagateNan.ALL)
@@ -98,7 +99,7 @@ def _decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if QUANT_X:  # the activation block of the next step is loaded one step ahead (its quantization
         # sits between the load and the MMA, which keeps the compiler's pipelining from covering it)
-        x_next = tl.load(xq_rows + (k_begin + offs_k)[None, :], mask=(k_begin + offs_k)[None, :] < k_end,
+        x_next = tl.load(xq_rows + (k_begin + offs_k)[None, :], mask=q_ok & ((k_begin + offs_k)[None, :] < k_end),
                          other=0.0)
     for k0 in range(k_begin, k_end, BLOCK_K):
         kk = k0 + offs_k
@@ -106,7 +107,7 @@ def _decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr
         b = tl.load(w_cols + kk[:, None], mask=k_ok[:, None], other=0.0)             # [BK, BN] fp8
         if QUANT_X:
             xf = x_next.to(tl.float32)                                              # [ROWS, BK]
-            x_next = tl.load(xq_rows + (kk + BLOCK_K)[None, :], mask=(kk + BLOCK_K)[None, :] < k_end,
+            x_next = tl.load(xq_rows + (kk + BLOCK_K)[None, :], mask=q_ok & ((kk + BLOCK_K)[None, :] < k_end),
                              other=0.0)
             if ACT_GROUP:  # this K-block is one 1x128 group: its scale, then the block product
                 amax = as_f32(tl.max(abs_bits(xf), axis=1))

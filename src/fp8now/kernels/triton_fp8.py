@@ -25,7 +25,7 @@ def available(device: torch.device, scheme: Scheme, act_kind: str, n: int, k: in
     for why in (triton_quant.available(device), gemm_available(device)):
         if why is not None:
             return why
-    if device.type != "cuda":
+    if device.type != "cuda" and device.type != "cpu":   # CPU tensors: Triton's interpreter (the checks above)
         return "the triton backend runs on CUDA GPUs"
     if act_kind == "tensor":
         return "per-tensor activations need a global amax; the triton backend quantizes per token"
@@ -76,27 +76,44 @@ def quantize(x: torch.Tensor, path: Path) -> tuple[torch.Tensor, torch.Tensor]:
 def linear(x: torch.Tensor, weights: Weights, path: Path) -> torch.Tensor:
     """y [M, N] = quantize(x [M, K]) @ W.T + bias in x.dtype, run as `path` says."""
     w_q, w_s, bias, ws = weights
-    gemm, config, fast = path.gemm, dict(path.config) or None, path.fast_accum
-    if path.quant == "fused":
-        return triton_decode.decode_linear(x, w_q, w_s, path.scheme.value, path.act, bias, counters=ws,
-                                           config=config)
+    if path.quant == "fused":   # the GEMM quantizes x itself
+        if path.gemm == "triton-gemv":
+            return triton_gemv.gemv(x, w_q, w_s, path.scheme.value, bias, x_scale=None, out_dtype=x.dtype,
+                                    config=dict(path.config) or None)
+        return _decode(x, None, x.dtype, weights, path)
     x_q, x_s = quantize(x, path)
+    return linear_fp8(x_q, x_s, x.dtype, weights, path)
+
+
+def linear_fp8(x_q: torch.Tensor, x_s: torch.Tensor, out_dtype: torch.dtype, weights: Weights, path: Path
+               ) -> torch.Tensor:
+    """y [M, N] in `out_dtype` from the FP8 activation x_q [M, K] and its scales x_s ([M, 1] per token,
+    [M, K/128] per group), quantized by the Triton quantizer or by a producer (path.quant names it)."""
+    w_q, w_s, bias, ws = weights
+    gemm, fast = path.gemm, path.fast_accum
     if gemm == "triton-gemv":
-        return triton_gemv.gemv(x_q, w_q, w_s, path.scheme.value, bias, x_scale=x_s, out_dtype=x.dtype,
+        return triton_gemv.gemv(x_q, w_q, w_s, path.scheme.value, bias, x_scale=x_s, out_dtype=out_dtype,
                                 pdl=path.pdl)
     if gemm.startswith("triton-decode"):
-        slots = exchange_slots_of(ws, w_q.shape[0], w_q.device) if gemm == "triton-decode-exchange" else None
-        return triton_decode.decode_linear(x_q, w_q, w_s, path.scheme.value, path.act, bias, x_scale=x_s,
-                                           counters=ws, out_dtype=x.dtype, pdl=path.pdl, config=config,
-                                           slots=slots, fast_accum=fast)
+        return _decode(x_q, x_s, out_dtype, weights, path)
     if gemm == "triton-block":
-        return block_gemm(x_q, x_s, w_q, w_s, bias, x.dtype, batch_invariant=path.invariant)
+        return block_gemm(x_q, x_s, w_q, w_s, bias, out_dtype, batch_invariant=path.invariant)
     if gemm == "triton-rowwise":
-        return rowwise_gemm(x_q, x_s, w_q, w_s, bias, x.dtype, batch_invariant=path.invariant, fast_accum=fast)
-    if gemm == "cublas-blockwise":
-        return torch_mm.blockwise_mm(x_q, x_s, w_q, w_s, bias, x.dtype)
+        return rowwise_gemm(x_q, x_s, w_q, w_s, bias, out_dtype, batch_invariant=path.invariant, fast_accum=fast)
+    if gemm == "cublas-blockwise":   # column-major scales (the quantizer's col_major; a producer's row-major)
+        return torch_mm.blockwise_mm(x_q, x_s.t().contiguous().t(), w_q, w_s, bias, out_dtype)
     if gemm == "cublas-tensorwise":
-        return torch_mm.rowwise_mm(x_q, x_s.reshape(()), w_q, w_s.reshape(()), bias, x.dtype, fast)
+        return torch_mm.rowwise_mm(x_q, x_s.reshape(()), w_q, w_s.reshape(()), bias, out_dtype, fast)
     if gemm == "cublas-rowwise":
-        return torch_mm.rowwise_mm(x_q, x_s, w_q, w_s, bias, x.dtype, fast)
+        return torch_mm.rowwise_mm(x_q, x_s, w_q, w_s, bias, out_dtype, fast)
     raise ValueError(f"the triton backend does not run {path.name!r}")
+
+
+def _decode(x: torch.Tensor, x_s: torch.Tensor | None, out_dtype: torch.dtype, weights: Weights, path: Path
+            ) -> torch.Tensor:
+    """The split-K decode kernel on bf16 rows it quantizes (x_s None) or on FP8 rows and their scales."""
+    w_q, w_s, bias, ws = weights
+    slots = exchange_slots_of(ws, w_q.shape[0], w_q.device) if path.gemm == "triton-decode-exchange" else None
+    return triton_decode.decode_linear(x, w_q, w_s, path.scheme.value, path.act, bias, x_scale=x_s, counters=ws,
+                                       out_dtype=out_dtype, pdl=path.pdl, config=dict(path.config) or None,
+                                       slots=slots, fast_accum=path.fast_accum)

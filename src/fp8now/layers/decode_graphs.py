@@ -67,12 +67,12 @@ class _Pool:
     side stream every capture runs on (the caching allocator reuses a freed block only on the stream
     it was allocated on), an anchor graph (torch retires a pool whose graphs are all gone, after
     which capturing into the same handle fails an internal assert: a one-kernel graph of the pool
-    kept forever prevents that), and the staging buffers, by (dtype, "in" / "out")."""
+    kept forever prevents that), and the staging buffers, by (dtype, "in0" / "in1" / ... / "out")."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.handle, self.side = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
-        self.stages: dict[tuple[torch.dtype, str], torch.Tensor] = {}
+        self.stages: dict[tuple[torch.dtype, str], torch.Tensor] = {}   # by (dtype, "in0" / "in1" / "out")
         scratch = torch.zeros(1, device=device)
         self.anchor = self.record(torch.cuda.current_stream(device), lambda: scratch.add_(1))
 
@@ -107,8 +107,9 @@ _LOCK = threading.Lock()   # the staging buffers are shared by every layer on a 
 
 
 def usable(x2: torch.Tensor) -> bool:
-    """Can this call of a triton-backend layer replay a graph? (x2 [M, K] on CUDA, M checked by the caller.)"""
-    if torch.compiler.is_compiling():
+    """Can this call of a triton-backend layer replay a graph? (x2 [M, K], M checked by the caller; CPU
+    tensors, run by Triton's interpreter, launch plainly.)"""
+    if torch.compiler.is_compiling() or not x2.is_cuda:
         return False
     if x2.requires_grad and torch.is_grad_enabled():
         return False
@@ -116,16 +117,18 @@ def usable(x2: torch.Tensor) -> bool:
 
 
 class _Entry:
-    """One captured call: its graph, input and output buffers, and the tensor addresses it baked in."""
+    """One captured call: its graph, input buffers and output buffer, and the tensor addresses it baked in."""
 
-    __slots__ = ("graph", "x", "y", "ptrs")
+    __slots__ = ("graph", "xs", "y", "ptrs")
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, x: torch.Tensor, y: torch.Tensor, ptrs: tuple) -> None:
-        self.graph, self.x, self.y, self.ptrs = graph, x, y, ptrs
+    def __init__(self, graph: torch.cuda.CUDAGraph, xs: tuple[torch.Tensor, ...], y: torch.Tensor,
+                 ptrs: tuple) -> None:
+        self.graph, self.xs, self.y, self.ptrs = graph, xs, y, ptrs
 
 
 class DecodeGraphs:
-    """The captured calls of one layer, keyed by (M, dtype, stream); see the module docstring."""
+    """The captured calls of one layer, keyed by (input shapes and dtypes, output dtype, stream); see the
+    module docstring."""
 
     def __init__(self) -> None:
         self.entries: dict[tuple, _Entry] = {}
@@ -140,45 +143,49 @@ class DecodeGraphs:
     def __reduce__(self):
         return DecodeGraphs, ()   # graphs are not saved with a pickled model
 
-    def run(self, x2: torch.Tensor, call: Callable[[torch.Tensor], torch.Tensor], n: int,
-            ptrs: tuple) -> torch.Tensor:
-        """`call(x2)` ([M, K] -> [M, n] in x2's dtype), replayed from a graph when one is captured for
-        this shape (`ptrs`: the data_ptr()s of the tensors `call` reads besides x2)."""
-        stream = torch.cuda.current_stream(x2.device)
-        key = (x2.shape[0], x2.dtype, stream.cuda_stream)
+    def run(self, xs: torch.Tensor | tuple[torch.Tensor, ...], call: Callable[..., torch.Tensor], n: int,
+            ptrs: tuple, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`call(*xs)` (2-D inputs [M, ...] -> [M, n] in `out_dtype`, default the first input's dtype; e.g.
+        x2 [M, K], or FP8 rows and their scales), replayed from a graph when one is captured for these
+        shapes (`ptrs`: the data_ptr()s of the tensors `call` reads besides xs)."""
+        xs = xs if isinstance(xs, tuple) else (xs,)
+        out_dtype = out_dtype or xs[0].dtype
+        stream = torch.cuda.current_stream(xs[0].device)
+        key = (tuple((tuple(x.shape), x.dtype) for x in xs), out_dtype, stream.cuda_stream)
         with _LOCK:   # copy in, replay, clone out must not interleave with another thread's on the buffers
             entry = self.entries.get(key)
             if entry is not None:
                 if entry.ptrs == ptrs:
-                    return _replay(entry, x2)
+                    return _replay(entry, xs)
                 del self.entries[key]           # the layer's tensors moved: this graph reads stale memory
                 capture = True
             else:                               # capture at the second sighting, while below the cap
-                capture = key in self.seen and sum(k[2] == key[2] for k in self.entries) < MAX_GRAPHS
+                capture = key in self.seen and sum(k[-1] == key[-1] for k in self.entries) < MAX_GRAPHS
                 self.seen.add(key)
             if capture:
-                entry = self.entries[key] = _capture(x2, call, n, stream, ptrs)
-                return _replay(entry, x2)
-        return call(x2)
+                entry = self.entries[key] = _capture(xs, call, n, out_dtype, stream, ptrs)
+                return _replay(entry, xs)
+        return call(*xs)
 
 
-def _replay(entry: _Entry, x2: torch.Tensor) -> torch.Tensor:
-    entry.x.copy_(x2)
+def _replay(entry: _Entry, xs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    for buf, x in zip(entry.xs, xs):
+        buf.copy_(x)
     entry.graph.replay()
     return entry.y.clone()
 
 
-def _capture(x2: torch.Tensor, call: Callable[[torch.Tensor], torch.Tensor], n: int,
+def _capture(xs: tuple[torch.Tensor, ...], call: Callable[..., torch.Tensor], n: int, out_dtype: torch.dtype,
              stream: torch.cuda.Stream, ptrs: tuple) -> _Entry:
-    """Capture `call` on the pool's side stream: read the shared input buffer, write the shared output
+    """Capture `call` on the pool's side stream: read the shared input buffers, write the shared output
     buffer; the call's own result is an intermediate of the pool, free once the capture ends."""
-    key = (x2.device.index, stream.cuda_stream)     # a CUDA tensor's device always has its index
+    key = (xs[0].device.index, stream.cuda_stream)     # a CUDA tensor's device always has its index
     pool = _POOLS.get(key)
     if pool is None:
-        pool = _POOLS[key] = _Pool(x2.device)
-    m, k = x2.shape
-    x_in = pool.stage(x2.dtype, "in", m, k)
-    y_out = pool.stage(x2.dtype, "out", m, n)
-    x_in.copy_(x2)
-    graph = pool.record(stream, lambda: y_out.copy_(call(x_in)))
-    return _Entry(graph, x_in, y_out, ptrs)
+        pool = _POOLS[key] = _Pool(xs[0].device)
+    bufs = tuple(pool.stage(x.dtype, f"in{i}", *x.shape) for i, x in enumerate(xs))
+    y_out = pool.stage(out_dtype, "out", xs[0].shape[0], n)
+    for buf, x in zip(bufs, xs):
+        buf.copy_(x)
+    graph = pool.record(stream, lambda: y_out.copy_(call(*bufs)))
+    return _Entry(graph, bufs, y_out, ptrs)

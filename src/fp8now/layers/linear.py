@@ -10,7 +10,7 @@ from torch import nn
 from . import decode_graphs
 from ..config import Fp8Config, Scheme
 from ..kernels import backend_module, cpu_wquant, device_class, pick_backend, quantize_weight, workspace
-from ..kernels.plan import Path, Table, Weights, plan
+from ..kernels.plan import TABLES, Path, Table, Weights, plan
 from ..numerics import E4M3FN
 
 _PATHS_KEPT = 512   # distinct M whose planned path a layer remembers (eager calls)
@@ -90,7 +90,7 @@ class Fp8Linear(nn.Module):
         self.backend: str | None = None
         self._impl = None
         self._device_class = "cpu"
-        self._paths: dict[int, Path] = {}   # eager calls: the plan by M
+        self._paths: dict[tuple[int, bool], Path] = {}   # eager calls: the plan by (M, from the producer)
         self.plan_table: Table | None = None   # None: the device class's (kernels.plan.TABLES); see use_table
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=E4M3FN.dtype,
                                                device=device), requires_grad=False)
@@ -106,6 +106,10 @@ class Fp8Linear(nn.Module):
         self._work: torch.Tensor | None = None
         # Set by `shared_input.share_inputs`: one activation quantization for siblings reading one input.
         self.input_memo = None
+        # Set by `producers.install`: the op in front of this layer whose kernel can write its FP8 input
+        # (kernels.plan.PRODUCERS), and for an RMSNorm the handoff it leaves the bytes in.
+        self.producer: str | None = None
+        self.input_handoff = None
         # Set by `cpu_quantizer.install`: the cpu backend's compiled activation quantizer (None: torch ops).
         self.act_quantizer = None
 
@@ -184,12 +188,30 @@ class Fp8Linear(nn.Module):
         self._prepare(work)
         return self.backend
 
-    def path(self, m: int, compiling: bool = False) -> Path:
-        """The kernel path of a call with `m` tokens (`kernels.plan.plan` for this layer)."""
+    def path(self, m: int, compiling: bool = False, from_producer: bool = True) -> Path:
+        """The kernel path of a call with `m` tokens (`kernels.plan.plan` for this layer): of an input
+        the producer in front wrote (if any; `from_producer=False`: of any other input)."""
         if self.backend is None:
             raise RuntimeError(f"Fp8Linear {self.name or ''} has no weight yet: call load_(w) first")
         return plan(self.backend, self.scheme, self.act_kind, m, self.out_features, self.in_features,
-                    self._device_class, self.batch_invariant, compiling, self.plan_table, self.fast_accum)
+                    self._device_class, self.batch_invariant, compiling, self.plan_table, self.fast_accum,
+                    self.producer if from_producer else None)
+
+    def planned(self, m: int, from_producer: bool = False) -> Path:
+        """`path` of this call: planned afresh under torch.compile, else remembered per (M, producer)."""
+        if torch.compiler.is_compiling():
+            return self.path(m, True, from_producer)
+        path = self._paths.get((m, from_producer))
+        if path is None:
+            path = self.path(m, False, from_producer)
+            if len(self._paths) < _PATHS_KEPT:
+                self._paths[(m, from_producer)] = path
+        return path
+
+    @property
+    def table(self) -> Table:
+        """The plan table of this layer's calls (`use_table`'s, or its device class's)."""
+        return self.plan_table or TABLES[self._device_class]
 
     def use_table(self, table: Table | None) -> None:
         """Plan this layer's calls from `table` (None: the device class's), e.g. to test or tune a path."""
@@ -213,6 +235,10 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._impl is None:
             raise RuntimeError(f"Fp8Linear {self.name or ''} has no weight yet: call load_(w) first")
+        fp8 = None if self.input_handoff is None else self.input_handoff.take(x, self.act_kind)
+        if fp8 is not None and self.planned(fp8[0].shape[0], True).quant == self.producer:
+            # x came from the RMSNorm in front, which wrote its FP8 bytes for this layer too
+            return self.forward_fp8(*fp8, x.dtype).reshape(*x.shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features)
         if 0 < x2.shape[0] <= self._graph_rows and decode_graphs.usable(x2):   # rows > 0: _graphs is set
             y = self._graphs.run(x2, self._launch, self.out_features, self._addresses())
@@ -222,15 +248,7 @@ class Fp8Linear(nn.Module):
 
     def _launch(self, x2: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
         """The backend's linear on x2 [M, K] -> [M, N], along this call's planned path."""
-        m = x2.shape[0]
-        if torch.compiler.is_compiling():
-            path = self.path(m, compiling=True)
-        else:
-            path = self._paths.get(m)
-            if path is None:
-                path = self.path(m)
-                if len(self._paths) < _PATHS_KEPT:
-                    self._paths[m] = path
+        path = self.planned(x2.shape[0])
         weights = Weights(self.weight, self.weight_scale, self.bias,
                           self.workspace if self._work is None else self._work)
         widen = getattr(self._impl, "widened_activation", None)   # the cpu backend's hook
@@ -241,6 +259,21 @@ class Fp8Linear(nn.Module):
         else:
             x_w = widen(x2, path.act, self.act_quantizer)
         return self._impl.linear(x2, weights, path, x_w)
+
+    def forward_fp8(self, x_q: torch.Tensor, x_s: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """y [M, N] in `out_dtype` from FP8 rows x_q [M, K] and their scales, written by the producer in
+        front (`self.producer`) where this layer's plan reads them (else: ValueError)."""
+        path = self.planned(x_q.shape[0], from_producer=True)
+        if path.quant != self.producer or getattr(self._impl, "linear_fp8", None) is None:
+            raise ValueError(f"Fp8Linear {self.name or ''}: its plan does not read a producer's FP8 input here "
+                             f"({path.name}, producer {self.producer}); hand it the bf16 activation instead")
+        weights = Weights(self.weight, self.weight_scale, self.bias, self.workspace)
+
+        def call(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+            return self._impl.linear_fp8(q, s, out_dtype, weights, path)
+        if 0 < x_q.shape[0] <= self._graph_rows and decode_graphs.usable(x_q):
+            return self._graphs.run((x_q, x_s), call, self.out_features, self._addresses(), out_dtype)
+        return call(x_q, x_s)
 
     def _addresses(self) -> tuple[int, ...]:
         """Where the tensors a captured call reads live (a graph is valid while these stay)."""

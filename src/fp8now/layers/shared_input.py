@@ -1,4 +1,5 @@
-"""One activation quantization for the linears that read the same input (q/k/v, gate/up) on the cpu backend.
+"""One activation quantization for the linears that read the same input (q/k/v, gate/up) on the cpu backend
+(on the triton backend: `producers`, whose norm and SiLU * up kernels write the linears' FP8 input).
 
 During one forward of their parent module, sibling `Fp8Linear`s with the same K and activation kind
 are usually handed the same tensor: the first quantizes it, the others reuse its widened activation.
@@ -14,6 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from . import producers
 from .linear import Fp8Linear
 
 
@@ -43,7 +45,8 @@ class InputMemo:
 
 def share_inputs(model: nn.Module) -> int:
     """Give each group of sibling layers (same parent, K and activation kind, on a backend with a
-    `widened_activation` hook: cpu) one memo; returns the number of layers that share one. Idempotent."""
+    `widened_activation` hook: cpu) one memo, and install the producers' kernels in front of triton-backend
+    layers (`producers.install`); returns the number of layers that share one memo. Idempotent."""
     shared = 0
     for parent in model.modules():
         groups: dict[tuple[int, str], list[Fp8Linear]] = {}
@@ -59,6 +62,7 @@ def share_inputs(model: nn.Module) -> int:
             for layer in layers:
                 layer.input_memo = memo
             shared += len(layers)
+    producers.install(model)
     return shared
 
 

@@ -102,6 +102,8 @@ def build_report(model: nn.Module, rows: list[LayerRow], ignored: list[tuple[str
                         scheme=scheme, layers=rows, ignored=ignored, weight_numerics=weight_numerics)
     for row in rows:
         layer = layers[row.name]
+        if row.plan and isinstance(layer, Fp8Linear):   # again: a producer in front (share_inputs) shows
+            row.plan = plan_names(layer)
         if isinstance(layer, Fp8Embedding) and layer.tied_to is not None:
             continue   # the head's bytes, counted with the head
         report.bf16_bytes += 2 * layer.weight.numel()

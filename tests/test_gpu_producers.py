@@ -1,0 +1,70 @@
+"""GPU checks of issue 38's decode fusions (fp8now.layers.producers, the GEMMs quantizing their own input) in a
+small real Llama loaded from safetensors onto the GPU: with the producers' quantization on and off
+(`Table(producer_quant=())`) the decode step gives the same logits bit for bit, eager (each linear
+replaying its per-layer decode graphs, FP8 inputs included), replayed from one CUDA graph of the whole
+step, and compiled with torch.compile; the compiled step does not break its graph where the unfused
+one does not."""
+
+import pytest
+import torch
+
+import fp8now
+from fp8now import Fp8Config, Fp8Linear
+from fp8now.cli.bench_decode import captured, decode_step
+from fp8now.kernels.plan import Table
+from fp8now.layers.producers import FusedGatedMLP, FusedRMSNorm
+from tiny import write_tiny_checkpoint
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                   reason="needs a CUDA GPU (run through the device tool)")]
+SIZES = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+             num_hidden_layers=2, vocab_size=512)
+OFF = Table(producer_quant=())
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("gpu_producers") / "llama", "llama", seed=5, **SIZES)
+
+
+def load(folder, scheme, table=None):
+    model, _ = fp8now.load(folder, Fp8Config(scheme=scheme), device="cuda")
+    layer = model.model.layers[0]
+    assert isinstance(layer.input_layernorm, FusedRMSNorm) and isinstance(layer.mlp, FusedGatedMLP)
+    assert layer.self_attn.q_proj.backend == "triton"
+    if table is not None:
+        for m in model.modules():
+            if isinstance(m, Fp8Linear):
+                m.use_table(table)
+    return model
+
+
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_eager_steps_with_decode_graphs_on_and_off(folder, scheme, batch):
+    """Four eager steps each (the linears capture their graphs at the second sighting, FP8 inputs under
+    their own key): equal logits at every step, the FP8-fed graphs captured."""
+    on, off = load(folder, scheme), load(folder, scheme, OFF)
+    steps = [decode_step(m, batch, 16, 512, seed=batch, device=torch.device("cuda")) for m in (on, off)]
+    for _ in range(4):
+        a, b = (s() for s in steps)
+        assert torch.equal(a, b) and torch.isfinite(a).all()
+    q_proj = on.model.layers[1].self_attn.q_proj
+    assert any(key[0][0][1] == torch.float8_e4m3fn for key in q_proj._graphs.entries)
+
+
+@pytest.mark.parametrize("scheme,mode", [("channel", "graph"), ("block", "graph"), ("channel", "compile")])
+def test_whole_step_graph_and_compile_on_and_off(folder, scheme, mode):
+    import torch._dynamo.utils as dynamo_utils
+    breaks = []
+    outs = []
+    for table in (None, OFF):
+        torch._dynamo.reset()
+        dynamo_utils.counters.clear()
+        model = load(folder, scheme, table)
+        step = captured(decode_step(model, 4, 16, 512, seed=3, device=torch.device("cuda")), mode,
+                        torch.device("cuda"))
+        outs.append([step().clone() for _ in range(2)])
+        breaks.append(sum(dynamo_utils.counters["graph_break"].values()))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert breaks[0] <= breaks[1], breaks
