@@ -11,7 +11,7 @@ import torch
 import fp8now
 from fp8now import Fp8Config, Fp8Linear
 from fp8now.cli.bench_decode import captured, decode_step
-from fp8now.kernels.plan import Table
+from fp8now.kernels.plan import PRODUCERS, Table
 from fp8now.layers.producers import FusedGatedMLP, FusedRMSNorm
 from tiny import write_tiny_checkpoint
 
@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                    reason="needs a CUDA GPU (run through the device tool)")]
 SIZES = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
              num_hidden_layers=2, vocab_size=512)
-OFF = Table(producer_quant=())
+ON = Table(producer_kernels=PRODUCERS)    # the default table keeps them off until measured
+OFF = Table(producer_kernels=PRODUCERS, producer_quant=())
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +28,14 @@ def folder(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("gpu_producers") / "llama", "llama", seed=5, **SIZES)
 
 
-def load(folder, scheme, table=None):
+def load(folder, scheme, table=ON):
     model, _ = fp8now.load(folder, Fp8Config(scheme=scheme), device="cuda")
     layer = model.model.layers[0]
     assert isinstance(layer.input_layernorm, FusedRMSNorm) and isinstance(layer.mlp, FusedGatedMLP)
     assert layer.self_attn.q_proj.backend == "triton"
-    if table is not None:
-        for m in model.modules():
-            if isinstance(m, Fp8Linear):
-                m.use_table(table)
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            m.use_table(table)
     return model
 
 
@@ -58,7 +58,7 @@ def test_whole_step_graph_and_compile_on_and_off(folder, scheme, mode):
     import torch._dynamo.utils as dynamo_utils
     breaks = []
     outs = []
-    for table in (None, OFF):
+    for table in (ON, OFF):
         torch._dynamo.reset()
         dynamo_utils.counters.clear()
         model = load(folder, scheme, table)

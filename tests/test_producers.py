@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 import fp8now  # noqa: E402
 from fp8now import Fp8Config, Fp8Linear  # noqa: E402
 from fp8now.kernels import triton_fp8, triton_jit  # noqa: E402
-from fp8now.kernels.plan import Table  # noqa: E402
+from fp8now.kernels.plan import PRODUCERS, Table  # noqa: E402
 from fp8now.layers.producers import FusedGatedMLP, FusedRMSNorm, install  # noqa: E402
 from tiny import write_tiny_checkpoint  # noqa: E402
 
@@ -27,7 +27,8 @@ pytestmark = [pytest.mark.triton,
               pytest.mark.skipif(triton_jit.available("cpu") is not None, reason="needs Triton's interpreter")]
 # hidden 256 (1x128 groups and 128x128 tiles whole), 4 heads of 64, 2 key/value heads, 2 layers
 SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-OFF = Table(producer_quant=())
+ON = Table(producer_kernels=PRODUCERS)    # the default table keeps them off until measured on a GPU
+OFF = Table(producer_kernels=PRODUCERS, producer_quant=())
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +37,11 @@ def checkpoints(tmp_path_factory):
     return {family: write_tiny_checkpoint(root / family, family, seed=3, **SIZES) for family in ("llama", "qwen3")}
 
 
-def load(folder, scheme="channel", table=None, **cfg):
+def load(folder, scheme="channel", table=ON, **cfg):
     model, report = fp8now.load(folder, Fp8Config(scheme=scheme, backend="triton", **cfg), device="cpu")
-    if table is not None:
-        for m in model.modules():
-            if isinstance(m, Fp8Linear):
-                m.use_table(table)
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            m.use_table(table)
     return model, report
 
 
@@ -74,9 +74,10 @@ def run(model, ids):
 def test_producers_on_and_off_give_the_same_logits_and_gemm_bytes(checkpoints, monkeypatch, family, scheme):
     """Every GEMM materializes its FP8 input here (no GEMM quantizing inside: Table.quant_inside empty, no
     block decode kernel quantizing at M = 1), so both runs record it."""
-    apart = Table(quant_inside=(), fused_block_max_n=0)
+    apart = Table(quant_inside=(), fused_block_max_n=0, producer_kernels=PRODUCERS)
     on, _ = load(checkpoints[family], scheme, apart)
-    off, _ = load(checkpoints[family], scheme, Table(quant_inside=(), fused_block_max_n=0, producer_quant=()))
+    off, _ = load(checkpoints[family], scheme, Table(quant_inside=(), fused_block_max_n=0, producer_kernels=PRODUCERS,
+                                                     producer_quant=()))
     layer = on.model.layers[0]
     assert isinstance(layer.input_layernorm, FusedRMSNorm) and isinstance(layer.mlp, FusedGatedMLP)
     act = "group" if scheme == "block" else "token"
@@ -98,14 +99,16 @@ def test_producers_on_and_off_give_the_same_logits_and_gemm_bytes(checkpoints, m
     assert all(norm.handoff.y is None for norm in on.modules() if isinstance(norm, FusedRMSNorm))
 
 
-def test_the_default_plans_quantize_nowhere_but_in_kernels(checkpoints, monkeypatch):
-    """Default tables: no quantizer launch at M = 1 and 5 (producers and GEMMs quantizing inside); the
+def test_the_producer_plans_quantize_nowhere_but_in_kernels(checkpoints, monkeypatch):
+    """The producers on: no quantizer launch at M = 1 and 5 (producers and GEMMs quantizing inside); the
     logits equal those of the producers' quantization off, and stay within FP8 noise of the model whose
-    producers run transformers' own norm and product (`Table(producer_kernels=())`)."""
-    on, report = load(checkpoints["llama"])
+    producers run transformers' own norm and product (`Table(producer_kernels=())`, the default table)."""
+    on, _ = load(checkpoints["llama"])
     off, _ = load(checkpoints["llama"], table=OFF)
-    plain, _ = load(checkpoints["llama"], table=Table(producer_kernels=()))
-    plans = {row.name: row.plan for row in report.layers}
+    plain, report = load(checkpoints["llama"], table=Table(producer_kernels=()))
+    assert report.layers[0].plan["1"] == "fused-token + triton-gemv"     # the default: GEMMs quantize inside
+    plans = {name: {str(m): layer.path(m).name for m in (1, 16)}
+             for name, layer in on.named_modules() if isinstance(layer, Fp8Linear)}
     assert plans["model.layers.0.self_attn.q_proj"]["1"] == "rmsnorm-token + triton-gemv"
     assert plans["model.layers.0.mlp.down_proj"]["16"] == "silu-mul-token + triton-decode"
     assert plans["model.layers.0.self_attn.o_proj"]["1"] == "fused-token + triton-gemv"

@@ -34,16 +34,18 @@ def _tensor_amax(w: torch.Tensor, step: int) -> torch.Tensor:
     return torch.stack(parts).amax().float() if parts else torch.zeros(())
 
 
-def quantize_weight(w: torch.Tensor, scheme: Scheme, name: str | None = None, work: bool = True
+def quantize_weight(w: torch.Tensor, scheme: Scheme, name: str | None = None, work: bool = True,
+                    q_out: torch.Tensor | None = None, work_out: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`w [N, K]` (bf16/fp16/fp32 on the CPU) -> (FP8 bytes [N, K], float32 scales of `numerics.quantize_weight`'s
-    shape, the bf16 working copy [N, K] or None). NaN/Inf raise naming `name`."""
+    shape, the bf16 working copy [N, K] or None), written into `q_out` / `work_out` when given. NaN/Inf raise
+    naming `name` (the outputs may then hold the chunks before it: pass scratch, not live storage)."""
     rows, cols = w.shape
     rule = WEIGHT_RULE[scheme]
     align = 128 if scheme is Scheme.BLOCK else 1
     step = _rows_per_chunk(rows, cols, align)
-    q = torch.empty((rows, cols), dtype=E4M3FN.dtype)
-    out = torch.empty((rows, cols), dtype=WORK_DTYPE) if work else None
+    q = torch.empty((rows, cols), dtype=E4M3FN.dtype) if q_out is None else q_out
+    out = work_out if work_out is not None else torch.empty((rows, cols), dtype=WORK_DTYPE) if work else None
     pad = -cols % 128 if scheme is Scheme.BLOCK else 0
     scales = []
     if scheme is Scheme.TENSOR:

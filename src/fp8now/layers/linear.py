@@ -143,8 +143,8 @@ class Fp8Linear(nn.Module):
                 raise ValueError(f"{self.name or 'layer'} expects a bias of shape ({self.out_features},)")
             check_float_weight(bias, f"{self.name}.bias", (self.out_features,))
             if not checked and not bool(torch.isfinite(bias).all()):
-                raise ValueError(f"{self.name or 'layer'}.bias contains NaN or Inf; fix or re-export the weights "
-                                 "(nothing of this layer was written)")
+                raise ValueError(f"tensor {self.name + '.bias' if self.name else 'bias'!r} contains NaN or Inf; fix "
+                                 "or re-export the weights (nothing of this layer was written)")
         device = w.device if self.weight.is_meta else self.weight.device
         w = w.to(device)
         work = None

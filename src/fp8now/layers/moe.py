@@ -16,7 +16,7 @@ from ..config import Fp8Config, Scheme
 from .decode_graphs import DecodeGraphs
 from .finite import NonFiniteExperts, nonfinite_slices
 from . import moe_cpu
-from ..kernels import quantize_weight
+from ..kernels import cpu, cpu_wquant, quantize_weight
 from ..kernels.reference import exact_matmul
 from .linear import check_float_weight, keep_fp8_on_apply, weight_scale_shape
 from .moe_backends import EXPERT_BACKENDS, expert_workspace, pick_expert_backend
@@ -155,6 +155,9 @@ class Fp8Experts(nn.Module):
             self._check_finite(w13, w2, b13, b2)
         device = w13.device if self.w13.is_meta else self.w13.device
         p13, p2 = self.padded(w13.to(device), w2.to(device))
+        # On a CPU, one pass per expert gives the bytes, the scales and the cpu backend's working copy.
+        fast = device.type == "cpu" and amax is None and self.weight_numerics == "spec"
+        works = {}
         for leaf, w in (("w13", p13), ("w2", p2)):
             if getattr(self, leaf).is_meta:
                 setattr(self, leaf, nn.Parameter(torch.empty(w.shape, dtype=E4M3FN.dtype, device=device),
@@ -163,8 +166,16 @@ class Fp8Experts(nn.Module):
                 setattr(self, leaf + "_scale", nn.Parameter(torch.empty(scale.shape, device=device),
                                                             requires_grad=False))
             q_all, s_all = getattr(self, leaf), getattr(self, leaf + "_scale")
+            if fast:
+                old = getattr(self, f"{leaf}_work")
+                works[leaf] = old if old is not None and old.shape == w.shape else torch.empty(w.shape, dtype=cpu.WORK_DTYPE)
             for x in range(e):
                 what = f"{self.name}.{leaf}[{x}]"
+                if fast:   # NaN/Inf were checked above (or by the caller): the live storage may be written
+                    _, s, _ = cpu_wquant.quantize_weight(w[x], self.scheme, what, q_out=q_all.data[x],
+                                                         work_out=works[leaf][x])
+                    s_all.data[x].copy_(s.reshape(s_all.shape[1:]))
+                    continue
                 given = None if amax is None or leaf not in amax else amax[leaf][x]
                 q, s = quantize_weight(w[x], self.scheme, what, self.weight_numerics, given, checked=True)
                 self.scale_dtype = s.dtype   # llm-compressor's: the weight's dtype (float32 holds it exactly)
@@ -179,7 +190,7 @@ class Fp8Experts(nn.Module):
                     setattr(self, leaf, nn.Parameter(b.to(old.dtype).clone(), requires_grad=False))
                 else:
                     old.data.copy_(b)
-        self._pick_backend()
+        self._pick_backend(works or None)
 
     def install_(self, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor) -> None:
         """Take already quantized tensors in the stored layout (`w13 [E, 2Ip, Hp]` FP8, float32 scales), as
@@ -192,11 +203,15 @@ class Fp8Experts(nn.Module):
             setattr(self, leaf, nn.Parameter(t, requires_grad=False))
         self._pick_backend()
 
-    def _pick_backend(self) -> None:
-        """Choose the backend for the weights' device and (re)build what it derives from the FP8 bytes."""
+    def _pick_backend(self, works: dict[str, torch.Tensor] | None = None) -> None:
+        """Choose the backend for the weights' device and (re)build what it derives from the FP8 bytes (`works`:
+        the cpu backend's working copies, already made by the quantizer)."""
         self.backend = pick_expert_backend(self.w13.device, self, self.forced_backend)
         self.workspace = expert_workspace(self)
-        (moe_cpu.prepare if self.backend == "cpu" else moe_cpu.release)(self)
+        if self.backend == "cpu":
+            moe_cpu.prepare(self, works)
+        else:
+            moe_cpu.release(self)
 
     def _check_finite(self, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None,
                       b2: torch.Tensor | None) -> None:

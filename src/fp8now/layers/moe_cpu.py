@@ -15,8 +15,12 @@ import torch
 from ..kernels import cpu
 
 
-def prepare(layer) -> None:
-    """(Re)build the layer's working copies from its FP8 bytes (in place when they exist)."""
+def prepare(layer, works: dict[str, torch.Tensor] | None = None) -> None:
+    """(Re)build the layer's working copies from its FP8 bytes (in place when they exist); `works`: made already
+    (by the CPU weight quantizer, with the bytes), then only kept."""
+    if works is not None:
+        layer.w13_work, layer.w2_work = works["w13"], works["w2"]
+        return
     with torch.no_grad():
         for leaf in ("w13", "w2"):
             q, s = getattr(layer, leaf), getattr(layer, f"{leaf}_scale")

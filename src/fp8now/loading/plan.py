@@ -12,7 +12,7 @@ from torch import nn
 from ..config import Fp8Config
 from ..hf.head import prepare as prepare_head
 from ..hf.experts import swap_experts, target_experts
-from ..hf.modules import swap_linears, target_linears
+from ..hf.modules import embedding_name, swap_linears, target_linears
 from ..layers.linear import Fp8Linear
 from ..layers.moe import Fp8Experts
 from ..parallel.shard import TpState, shard
@@ -36,6 +36,7 @@ class Plan:
     adopted: object = None
     explicit: dict[str, Dest] = field(default_factory=dict)
     tp: TpState | None = None
+    replaced: dict[str, nn.Module] = field(default_factory=dict)   # module name -> what the plan swapped out
     scheme: str = ""   # the scheme the report shows (a pre-quantized checkpoint: its first FP8 layer's)
     weight_numerics: str = "spec"   # the rules the weights were quantized by (Fp8Config.weight_numerics)
 
@@ -61,9 +62,12 @@ def plan_quantize(model: nn.Module, config: Fp8Config, where: str, dtype: torch.
                   tp_group=None, moe_parallel: str | None = None) -> Plan:
     """The plan of a load from float tensors (`fp8now.load` of a bf16 checkpoint, `quantize_`): the target
     linears, experts, head and embedding swapped for empty FP8 modules; with `tp_plan`, this rank's parts."""
+    emb = embedding_name(model) if config.embedding else None
+    replaced = {} if emb is None else {emb: model.get_submodule(emb)}
     prepare_head(model, config, where, dtype, tp=tp_plan is not None)   # head=, embedding=
     targets, ignored = target_linears(model, config)
     expert_targets, experts_ignored = target_experts(model, config)
+    replaced.update({**targets, **expert_targets})
     if not targets and not expert_targets and not already_fp8(model):
         raise ValueError(f"{where}: nothing to quantize: all {len(ignored)} linear layers are left alone (e.g. "
                          f"{ignored[0] if ignored else 'none found'}); loosen Fp8Config.ignore")
@@ -79,7 +83,7 @@ def plan_quantize(model: nn.Module, config: Fp8Config, where: str, dtype: torch.
         model._fp8now_tp = tp
         experts.tp = tp.moe
     experts.add_slots(slots)
-    plan = Plan(model, slots, alias_of, computed, ignored + experts_ignored, experts, tp=tp,
+    plan = Plan(model, slots, alias_of, computed, ignored + experts_ignored, experts, tp=tp, replaced=replaced,
                 scheme=config.scheme.value, weight_numerics=config.weight_numerics)
     plan.keep_fp32()
     return plan

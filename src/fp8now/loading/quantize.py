@@ -11,6 +11,7 @@ from torch import nn
 
 from ..config import Fp8Config
 from ..hf.head import tie_embeddings
+from ..hf.modules import set_submodule
 from ..layers.cpu_quantizer import install as install_cpu_quantizer
 from ..layers.embedding import Fp8Embedding
 from ..layers.linear import Fp8Linear
@@ -64,9 +65,14 @@ def quantize_(model: nn.Module, config: Fp8Config | None = None, *,
     tensors = _own_tensors(model, where)
     dtype = next((t.dtype for _, t in tensors if t.is_floating_point()), torch.bfloat16)
     plan = plan_quantize(model, config, where, dtype)
-    sinks = Sinks(plan, None, None, measure_error, plain="keep", checked=True)
-    stream_tensors(plan, TensorSource(tensors, where), sinks, _not_in_model)
-    sinks.close()
+    sinks = Sinks(plan, None, None, measure_error, plain="keep")
+    try:
+        stream_tensors(plan, TensorSource(tensors, where), sinks, _not_in_model)
+        sinks.close()
+    except BaseException:   # all or nothing: the model keeps every module it had
+        for name, module in plan.replaced.items():
+            set_submodule(model, name, module)
+        raise
     del tensors
     tie_embeddings(model)
     share_inputs(model)

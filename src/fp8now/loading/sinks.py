@@ -100,6 +100,8 @@ class Sinks:
     def _dense(self, slot: Slot, key: str, t: torch.Tensor, where: str) -> None:
         layer = slot.owner
         assert isinstance(layer, Fp8Linear)
+        if slot.leaf == "bias" and not self.checked and not self.deferred:   # a stream: refused as it arrives
+            check_finite([(t, f"{where}: tensor {key!r}")])
         parts = self.pending.setdefault(layer.name, {})
         parts[slot.leaf] = (t, where, key)
         if "weight" not in parts or (layer.bias is not None and "bias" not in parts):
