@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hang import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), *sys.path]))
@@ -21,7 +22,7 @@ SMALL = ["--prefill", "1x16", "--decode", "1,3", "--context", "8", "--reps", "1"
 
 def script(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), *args], env=ENV,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=HANG_S)
 
 
 def check_rows(rows: list[dict], impls: set[str], model: str) -> None:
@@ -85,7 +86,7 @@ def test_cli_bench_json_on_a_moe_folder(tmp_path):
 
     folder = save_moe("qwen3_moe", tmp_path, spread=1.0)
     run = subprocess.run([sys.executable, "-m", "fp8now", "bench", str(folder), "--device", "cpu", "--scheme",
-                          "channel", "--json", *SMALL], env=ENV, capture_output=True, text=True, timeout=900)
+                          "channel", "--json", *SMALL], env=ENV, capture_output=True, text=True, timeout=HANG_S)
     assert run.returncode == 0, run.stderr[-3000:]
     data = json.loads(run.stdout)
     assert data["command"] == "bench" and data["model"] == str(folder) and data["device"] == "cpu"
@@ -96,7 +97,7 @@ def test_cli_bench_json_on_a_moe_folder(tmp_path):
 
 def test_cli_bench_rejects_layers_for_a_folder(tmp_path):
     run = subprocess.run([sys.executable, "-m", "fp8now", "bench", str(tmp_path), "--layers", "2"], env=ENV,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=HANG_S)
     assert run.returncode == 1 and "--layers applies to the presets" in run.stderr
 
 

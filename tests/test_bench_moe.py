@@ -14,6 +14,7 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 sys.path.insert(0, BENCH)
 import bench_moe  # noqa: E402
 import moe_layers  # noqa: E402
+from hang import HANG_S
 
 
 def _experts_loop(x, index, weights, w13, w2):
@@ -71,7 +72,7 @@ def test_cpu_smoke_run_writes_every_case(tmp_path):
     out = tmp_path / "moe.json"
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"))
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "bench_moe.py"), "--device", "cpu", "--tokens", "1,8",
-                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=900)
+                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "speed-up over the faster of bf16-transformers (tf) and bf16-grouped_mm" in proc.stdout
     data = json.loads(out.read_text())
@@ -110,7 +111,7 @@ def test_tune_moe_smoke_run_compares_each_change(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"), TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "tune_moe.py"), "--device", "cpu", "--shapes",
                            "qwen3-tiny", "--tokens", "1,2", "--out", str(out)], capture_output=True, text=True,
-                          env=env, timeout=900)
+                          env=env, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["meta"]["gpu"] == "cpu" and "tune_moe.py" in data["meta"]["command"]

@@ -17,9 +17,10 @@ from tiny import write_tiny_checkpoint
 
 from test_evaluate import save_byte_tokenizer
 from test_models import embedded_model_dir, needs_gguf
+from hang import HANG_S
 
 
-def fp8now(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def fp8now(*args: str, timeout: float = HANG_S) -> subprocess.CompletedProcess:
     """Run `python -m fp8now ARGS` with the session's converted cache."""
     path, _ = embedded_model_dir()
     env = {**os.environ, "FP8NOW_CACHE": str(path.parent)}
@@ -173,7 +174,7 @@ def test_another_tools_scheme_name_works_end_to_end(tiny_dir, tmp_path):
     text.write_text("The quick brown fox jumps over the lazy dog. " * 4)
     proc = subprocess.run([sys.executable, "-m", "fp8now", "eval", str(tiny_dir), "--scheme", "FP8_PER_TENSOR",
                            "--text", str(text), "--seq-len", "90", "--device", "cpu", "--json"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)
     assert list(res["schemes"]) == ["tensor-tensor"]  # vLLM's fp8_per_tensor: per-tensor weights and activations
@@ -193,7 +194,7 @@ def test_inspect_names_each_layers_kernel_path(tiny_dir):
     4096 tokens per call to the path that layer's calls run (on CPU: the cpu backend's quantizer and
     bf16 GEMM); the text output lists the same paths."""
     run = lambda *a: subprocess.run([sys.executable, "-m", "fp8now", "inspect", str(tiny_dir),  # noqa: E731
-                                     "--device", "cpu", *a], capture_output=True, text=True, timeout=300)
+                                     "--device", "cpu", *a], capture_output=True, text=True, timeout=HANG_S)
     proc = run("--scheme", "block", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)["schemes"]["block"]["report"]

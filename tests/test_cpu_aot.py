@@ -20,6 +20,7 @@ from fp8now.cache import cache_root
 from fp8now.numerics import quantize_activation
 from fp8_oracle import round_fp8, varied
 from test_cpu_backend import _near_every_boundary
+from hang import HANG_S
 from tiny import write_tiny_checkpoint
 
 KINDS = ["token", "tensor", "group"]
@@ -135,7 +136,7 @@ def test_cli_run_says_which_quantizer_and_generates_the_same(tmp_path):
     texts = {}
     for how in ("compiled", "torch"):
         proc = subprocess.run([sys.executable, "-m", "fp8now", "run", str(folder), "--max-new-tokens", "6",
-                               "--json"], capture_output=True, text=True, timeout=300,
+                               "--json"], capture_output=True, text=True, timeout=HANG_S,
                               env={**os.environ, cpu_quantizer.ENV: how})
         assert proc.returncode == 0, proc.stderr
         entry = json.loads(proc.stdout)["schemes"]["channel"]

@@ -5,6 +5,7 @@ import torch
 
 from fp8now import Fp8Config, Fp8Linear, Scheme
 from fp8now.kernels import TABLE, device_class, pick_backend
+from hang import HANG_S
 
 
 def test_cpu_defaults_to_the_cpu_backend():
@@ -95,6 +96,6 @@ layer = Fp8Linear.from_linear(torch.nn.Linear(64, 32), Fp8Config())
 assert layer(torch.randn(2, 64)).shape == (2, 32)
 print(layer.backend, layer.path(1).name)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "cpu cpu-token + bf16-matmul"

@@ -13,6 +13,7 @@ from tiny import write_tiny_checkpoint
 
 import fp8now
 from fp8now import Fp8Config
+from hang import HANG_S
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def test_import_fp8now_stays_light():
     code = ("import sys, fp8now; assert 'transformers' not in sys.modules; "
             "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as m; assert 'fp8now' not in m; "
             "fp8now.TransformersConfig; assert 'fp8now' in m; print('ok')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 

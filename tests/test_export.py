@@ -17,6 +17,7 @@ from tiny import write_tiny_checkpoint
 import fp8now
 from fp8now import Fp8Config, Fp8Linear, rel_diff
 from fp8now.export import save
+from hang import HANG_S
 
 # Every (format, scheme name) pair a format can express; the scheme names fix the activations.
 ROUND_TRIPS = [("compressed-tensors", s) for s in ("channel", "block", "tensor", "tensor-tensor")] + \
@@ -166,7 +167,7 @@ def test_transformers_reads_the_export_and_agrees(aligned_dir, tmp_path, fmt, sc
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fp8now", *args], capture_output=True, text=True,
-                          env=dict(os.environ), timeout=300)
+                          env=dict(os.environ), timeout=HANG_S)
 
 
 def test_cli_quantize_writes_what_load_gives(tiny_dir, tmp_path):

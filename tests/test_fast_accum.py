@@ -14,6 +14,7 @@ from fp8now import numerics as nu
 from fp8now.kernels import pick_backend
 from fp8now.kernels.plan import FAST_ACCUM_GEMMS, Table, plan
 from fp8_oracle import varied
+from hang import HANG_S
 
 W_GROUP = {"tensor": (-1, -1), "channel": (1, -1)}
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -86,12 +87,12 @@ def test_fp8linear_on_cpu_refuses_at_load():
 def test_cli_fast_accum_on_cpu_is_one_clear_error():
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"))
     out = subprocess.run([sys.executable, "-m", "fp8now", "inspect", "--device", "cpu", "--fast-accum"],
-                         capture_output=True, text=True, env=env, timeout=600)
+                         capture_output=True, text=True, env=env, timeout=HANG_S)
     assert out.returncode == 1, out.stdout + out.stderr
     assert out.stderr.startswith("fp8now: error: no FP8 backend fits"), out.stderr
     assert "fast_accum=True" in out.stderr and "Traceback" not in out.stderr
     block = subprocess.run([sys.executable, "-m", "fp8now", "eval", "--scheme", "block", "--fast-accum"],
-                           capture_output=True, text=True, env=env, timeout=600)
+                           capture_output=True, text=True, env=env, timeout=HANG_S)
     assert block.returncode == 1 and "does not apply to scheme 'block'" in block.stderr, block.stderr
 
 

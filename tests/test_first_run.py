@@ -17,6 +17,7 @@ from tiny import write_tiny_checkpoint
 from test_cli import one_error_line
 from test_evaluate import save_byte_tokenizer
 from test_models import embedded_model_dir, needs_gguf
+from hang import HANG_S
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def cli(*args: str) -> subprocess.CompletedProcess:
     """`python -m fp8now ARGS` on a tiny model (no embedded-model cache needed)."""
     return subprocess.run([sys.executable, "-m", "fp8now", *args], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=HANG_S)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,7 @@ def test_import_works_without_the_resource_module():
     code = ("import sys; sys.modules['resource'] = None\n"
             "import fp8now\nfrom fp8now.host_memory import peak_rss_bytes\n"
             "print(peak_rss_bytes() > 2**20)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr
 
 
@@ -104,7 +105,7 @@ def test_the_readme_snippet_runs_as_written():
     path, _ = embedded_model_dir()
     env = {**os.environ, "FP8NOW_CACHE": str(path.parent)}
     proc = subprocess.run([sys.executable, "-c", snippets[0]], capture_output=True, text=True, env=env,
-                          timeout=600)
+                          timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr
     assert "model.layers.29.mlp.down_proj" in proc.stdout
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hang import HANG_S
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                    reason="needs a CUDA GPU (run through the device tool)")]
@@ -22,7 +23,7 @@ def test_bench_model_tiny_on_cuda_graph_decode(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "tiny", "--device", "cuda",
                           "--schemes", "channel,block", "--prefill", "1x64,4x64", "--decode", "1,4", "--context", "32",
                           "--reps", "2", "--profile", "--workdir", str(tmp_path / "work"), "--out", str(out)],
-                         env=env, capture_output=True, text=True, timeout=600)
+                         env=env, capture_output=True, text=True, timeout=HANG_S)
     assert run.returncode == 0, run.stderr[-3000:]
     meta, rows = (lambda d: (d["meta"], d["rows"]))(json.loads(out.read_text()))
     assert meta["gpu"] != "cpu"

@@ -11,6 +11,7 @@ from fp8now.config import ACT_GROUP, WEIGHT_GROUP
 from fp8now.kernels import quantize_weight as load_quantize
 from fp8now.numerics import quantize_activation, quantize_weight
 from fp8_oracle import exact_product, varied
+from hang import HANG_S
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                    reason="needs a CUDA GPU (run through the device tool)")]
@@ -235,7 +236,7 @@ def test_compile_sees_which_inputs_each_kernel_writes(scheme, m, n):
     import sys
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     run = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, scheme, str(m), str(n)], env=env,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=HANG_S)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "assuming every input is mutated" not in run.stderr, run.stderr[-2000:]
     assert "lru_cache" not in run.stderr, run.stderr[-2000:]

@@ -22,6 +22,7 @@ from fp8now.layers.linear import Fp8Linear
 from fp8now.layers.moe import Fp8Experts
 from fp8now.loading.expert_files import PARTS, expert_modules, expert_tensors
 from test_models import embedded_model_dir, needs_gguf
+from hang import HANG_S
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llmc"
 CASES = [f"{key}-{scheme}" for key in llmc_tiny.MODELS for scheme in ("channel", "block")]
@@ -225,7 +226,7 @@ def test_quantize_cli_writes_llm_compressor_checkpoint(inputs, tmp_path):
     out = tmp_path / "llama-block"
     proc = subprocess.run([sys.executable, "-m", "fp8now", "quantize", str(inputs["llama"]), "--scheme",
                            "fp8_block", "--weight-numerics", "llm-compressor", "--device", "cpu", "--out", str(out)],
-                          capture_output=True, text=True, env=dict(os.environ), timeout=300)
+                          capture_output=True, text=True, env=dict(os.environ), timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"wrote {out}")
     compare_checkpoints(out, "llama-block")

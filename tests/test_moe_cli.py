@@ -16,6 +16,7 @@ from moe_tiny import save_moe
 from fp8now.cli.output import SCHEMA_KEYS
 from test_evaluate import save_byte_tokenizer
 from test_models import embedded_model_dir, needs_gguf
+from hang import HANG_S
 
 pytestmark = pytest.mark.slow
 EXPERTS = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
@@ -30,7 +31,7 @@ def mixtral(tmp_path_factory):
 
 def fp8now(*args: str) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "fp8now", *args, "--device", "cpu"], capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr
     return proc
 
@@ -88,14 +89,14 @@ def test_the_readme_moe_snippet_and_commands_run_as_written(tmp_path):
     path, _ = embedded_model_dir()
     env = {**os.environ, "FP8NOW_CACHE": str(path.parent)}
     proc = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr
     outs = []
     for line in commands.strip().splitlines():
         args = line.split("#")[0].split()
         assert args[:3] == ["python3", "-m", "fp8now"]
         proc = subprocess.run([sys.executable, *args[1:]], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=600)
+                              text=True, timeout=HANG_S)
         assert proc.returncode == 0, proc.stderr
         outs.append(proc.stdout)
     assert "experts: model.layers.1.mlp.experts E=8 H=256 I=256 block" in outs[0]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from moe_tiny import save_moe
+from hang import HANG_S
 
 MIB = 1 << 20
 LAYERS, E, H, I = 8, 16, 512, 512     # Qwen3-MoE with per-expert tensors on disk; experts ~25 MiB/layer
@@ -50,7 +51,7 @@ PROBE = textwrap.dedent("""
 def _probe(folder: Path, warm: Path, mode: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run([sys.executable, "-c", PROBE, str(folder), str(warm), mode], env=env,
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

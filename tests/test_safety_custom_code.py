@@ -15,6 +15,7 @@ from fp8now.loading.load import load
 from tiny import write_tiny_checkpoint
 
 from test_evaluate import save_byte_tokenizer
+from hang import HANG_S
 
 MARKER = "CUSTOM_CODE_RAN"
 
@@ -50,7 +51,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     """The real `fp8now` command, with "y" answered to any question it might ask."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     return subprocess.run([sys.executable, "-m", "fp8now", *args], input="y\n" * 5, capture_output=True,
-                          text=True, env=env, timeout=300)
+                          text=True, env=env, timeout=HANG_S)
 
 
 def _one_line_refusal(proc: subprocess.CompletedProcess) -> str:

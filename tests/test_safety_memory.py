@@ -16,6 +16,7 @@ import pytest
 from safetensors import safe_open
 
 from tiny import write_tiny_checkpoint
+from hang import HANG_S
 
 MIB = 1 << 20
 
@@ -53,7 +54,7 @@ def test_load_peak_rss_and_no_file_mapping(tmp_path):
     assert (big / "model.safetensors").stat().st_size > 200 * MIB
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run([sys.executable, "-c", PROBE, str(big), str(warm), "channel"], env=env,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["maps"] == [], f"the loaded model still maps {got['maps']}"
@@ -94,7 +95,7 @@ def test_the_load_leaves_no_freed_heap_behind(tmp_path):
     returned = {}
     for how in ("trimmed", "untrimmed"):
         out = subprocess.run([sys.executable, "-c", TRIM_PROBE, str(folder), how], env=env,
-                             capture_output=True, text=True, timeout=300)
+                             capture_output=True, text=True, timeout=HANG_S)
         assert out.returncode == 0, out.stderr[-2000:]
         returned[how] = json.loads(out.stdout.strip().splitlines()[-1])["returned"]
     assert returned["trimmed"] < 2 * MIB, returned

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from hang import HANG_S
 
 pytest.importorskip("triton")
 
@@ -18,7 +19,7 @@ def compiled() -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's current default, stated (silences a warning)
     script = os.path.join(os.path.dirname(__file__), "sm90_compile.py")
-    out = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     return {r["kernel"]: r for r in rows}
