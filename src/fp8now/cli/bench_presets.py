@@ -48,6 +48,11 @@ PRESETS: dict[str, Preset] = {
         max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=151643,
         eos_token_id=151645, attention_bias=False, use_sliding_window=False,
         rope_parameters=dict(rope_type="default", rope_theta=1000000.0)), layers=8),
+    # issue 37's CPU load: Llama-shaped (Llama-3.2-1B's widths, a 32000-token vocabulary), 8 layers, 1.1 GB bf16
+    "llama-1gb": Preset("llama", dict(
+        hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        vocab_size=32000, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, hidden_act="silu"), layers=8),
     # a CPU smoke run
     "tiny": Preset("llama", dict(
         hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
