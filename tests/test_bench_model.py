@@ -33,9 +33,16 @@ def check_rows(rows: list[dict], impls: set[str], model: str) -> None:
     for impl in impls:
         mine = {(r["phase"], r["batch"], r["seq"]): r for r in rows if r["impl"] == impl}
         want = {("load", None, None), ("prefill", 1, 16), ("decode", 1, 8), ("decode", 3, 8)}
-        assert set(mine) == want | ({("accuracy", 2, 8)} if impl != "bf16" else set())
+        fp8 = {("accuracy", 2, 8), ("reload", None, None)} if impl != "bf16" else set()
+        assert set(mine) == want | fp8
         for (phase, batch, seq), r in mine.items():
             assert r["seconds"] > 0 and r["peak_gb"] is None        # no device memory on the CPU
+            if phase == "load":          # alone in a fresh process: its own host peak, above what it held before
+                assert r["gb_per_s"] == pytest.approx(r["checkpoint_gb"] / r["seconds"]) and not r["cold"]
+                assert r["host_peak_gb"] > r["host_before_gb"] > 0
+            if phase == "reload":        # every checkpoint tensor again, against a copy of the same bytes
+                assert r["ratio_to_copy"] == pytest.approx(r["seconds"] / r["copy_s"]) and r["copy_s"] > 0
+                assert r["input_gb"] == pytest.approx(mine["load", None, None]["checkpoint_gb"], rel=0.01)
             if phase in ("prefill", "decode"):
                 assert r["tokens_per_s"] == pytest.approx(batch * (seq if phase == "prefill" else 1) / r["seconds"])
             if phase == "decode":
@@ -77,7 +84,7 @@ def test_script_on_the_tiny_preset_and_a_split_run(tmp_path):
     assert " ; " in data2["meta"]["command"]
     check_rows(data2["rows"], {"bf16", "fp8now-channel", "fp8now-block"}, "tiny-2l")
     block = {r["phase"]: r for r in data2["rows"] if r["impl"] == "fp8now-block"}
-    assert len(block) == 4 and all(r not in first_block for r in block.values())
+    assert len(block) == 5 and all(r not in first_block for r in block.values())   # one row per phase, all new
     assert block["accuracy"]["kl"] == pytest.approx(next(r["kl"] for r in first_block if r["phase"] == "accuracy"))
 
 

@@ -1,4 +1,4 @@
-"""numerics_llmc against compressed-tensors itself on fresh random weights: its scale computation
+"""kernels.llmc (llm-compressor's rules) against compressed-tensors itself on fresh random weights: its scale computation
 (`calculate_qparams`, from the per-group min/max llm-compressor's observer takes) and its `quantize`, the
 code llm-compressor runs for FP8_DYNAMIC and FP8_BLOCK. Edge cases: all-zero rows and tiles, magnitudes
 spread over many decades, fp16 amaxes whose scale underflows, bf16/fp16/fp32 weights, partial tiles."""
@@ -11,7 +11,8 @@ import zlib
 import pytest
 import torch
 
-from fp8now import Fp8Config, numerics_llmc
+from fp8now import Fp8Config
+from fp8now.kernels import llmc as numerics_llmc
 from fp8now.config import WEIGHT_NUMERICS
 from fp8now.kernels import quantize_weight as dispatched
 

@@ -114,13 +114,13 @@ def test_counters_that_are_too_small_are_refused():
 def test_the_load_report_names_each_experts_path():
     """A real (tiny) Qwen3-MoE model's experts on the triton backend: the report's experts rows carry the path
     at 8, 512 and 16384 routed slots, and the kernel-plan lines show them (direct kernels up to 512 slots)."""
+    import fp8now
     from fp8now import Fp8Config
-    from fp8now.hf.experts import quantize_experts_
     from fp8now.report import LoadReport
     from moe_tiny import moe_model
 
     model = moe_model("qwen3_moe").to(DEV)
-    rows, _ = quantize_experts_(model, Fp8Config(scheme="channel", backend="triton"), measure=False)
+    rows = fp8now.quantize_(model, Fp8Config(scheme="channel", backend="triton"), measure_error=False).experts
     assert rows and all(r.backend == "triton" for r in rows)
     assert set(rows[0].plan) == {"8", "512", "16384"}
     assert "triton-moe-direct" in rows[0].plan["512"] and "align=triton-chunked" in rows[0].plan["16384"]

@@ -167,7 +167,7 @@ class Fp8Config:
         Routed experts (Fp8Experts) do not use it.
     weight_numerics: "spec" (SPEC §4: float32 scales and division), or "llm-compressor" /
         "llm-compressor-triton": the FP8 bytes and scales llm-compressor's data-free FP8_DYNAMIC (channel)
-        and FP8_BLOCK (block) write (fp8now.numerics_llmc; scales kept in the weight's dtype, which
+        and FP8_BLOCK (block) write (fp8now.kernels.llmc; scales kept in the weight's dtype, which
         fp8now.save writes). Computed with torch ops on every device.
     """
 

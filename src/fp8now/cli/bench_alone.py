@@ -89,6 +89,7 @@ def reload_row(model, folder: Path, device: torch.device, reps: int = 3) -> dict
     floor = _median(_copier(tensors), device, reps)
     seconds = _median(lambda: fp8now.reload_weights(model, tensors), device, reps)
     return {"phase": "reload", "seconds": seconds, "gb_per_s": nbytes / seconds / GB, "copy_s": floor,
+            "peak_gb": torch.cuda.max_memory_allocated(device) / GB if device.type == "cuda" else None,
             "copy_gb_per_s": nbytes / floor / GB, "ratio_to_copy": seconds / floor, "input_gb": nbytes / GB}
 
 

@@ -18,7 +18,8 @@ from types import ModuleType
 
 import torch
 
-from .. import numerics, numerics_llmc
+from .. import numerics
+from . import llmc
 from ..config import Scheme
 
 # Backend name -> module (imported on first use, so missing optional packages only matter when chosen).
@@ -121,11 +122,11 @@ def quantize_weight(w: torch.Tensor, scheme: Scheme, name: str | None = None, we
                     amax: torch.Tensor | None = None, checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight quantization at load: the Triton kernel on FP8-capable GPUs (memory speed, same bytes
     as `numerics.quantize_weight`), the chunked torch implementation elsewhere. Other `weight_numerics`
-    (llm-compressor's) run `numerics_llmc` with torch ops on every device; `amax` (a TP group's MAX,
+    (llm-compressor's) run `kernels.llmc` with torch ops on every device; `amax` (a TP group's MAX,
     SPEC §6) runs the torch implementation of the chosen numerics. `checked`: the caller checked w for
     NaN/Inf already (a load checks many weights with one host sync)."""
     if weight_numerics != "spec":
-        return numerics_llmc.quantize_weight(w, scheme, weight_numerics, name=name, amax=amax)
+        return llmc.quantize_weight(w, scheme, weight_numerics, name=name, amax=amax)
     if amax is not None:
         return numerics.quantize_weight(w, scheme, name=name, amax=amax)
     if w.device.type == "cuda" and device_class(w.device) == "cuda-fp8":

@@ -25,7 +25,9 @@ import torch
 from .files import ST_DTYPES, corrupt_error
 
 CHUNK_BYTES = 32 << 20        # one read (and one host-to-device copy) at most
-HOST_IN_FLIGHT = 1 << 30      # host bytes read ahead of the consumer (pinned staging for a GPU)
+# Bytes read ahead of the consumer (at least one tensor, whatever its size): a CPU load holds them in host memory
+# beside the layer it quantizes, a GPU load on the device (its pinned staging is as large).
+IN_FLIGHT = {"cpu": 16 << 20, "cuda": 512 << 20}
 
 
 @dataclass(frozen=True)
@@ -75,14 +77,15 @@ def _read_into(fd: int, offset: int, view: memoryview, key: str) -> None:
 class Reader:
     """Reads `Item`s onto `device` with `threads` readers; `read` yields (item, tensor) in the items' order.
 
-    At most `in_flight` host bytes (whole tensors on a CPU, pinned staging chunks for a GPU) are held ahead of
-    the consumer, and at least one tensor whatever its size. On a GPU each tensor is allocated on the device
-    when its first chunk is scheduled, so the device holds at most the tensors in flight beside the model."""
+    At most `in_flight` bytes of tensors are held ahead of the consumer (and at least one tensor whatever its
+    size): on a CPU in host memory, on a GPU on the device, each tensor allocated there when it is scheduled and
+    filled through pinned staging chunks (as many bytes as `in_flight`)."""
 
-    def __init__(self, device: torch.device, threads: int | None = None, in_flight: int = HOST_IN_FLIGHT,
+    def __init__(self, device: torch.device, threads: int | None = None, in_flight: int | None = None,
                  chunk: int = CHUNK_BYTES) -> None:
         self.device = torch.device(device)
-        self.threads = threads or max(2, min(8, os.cpu_count() or 2))
+        self.threads = threads or (min(8, os.cpu_count() or 2) if self.device.type == "cuda" else 1)
+        in_flight = IN_FLIGHT.get(self.device.type, IN_FLIGHT["cpu"]) if in_flight is None else in_flight
         self.in_flight, self.chunk = max(in_flight, chunk), chunk
         self.cuda = self.device.type == "cuda"
         self.peak_in_flight = 0   # the most host bytes held at once (what the bound is tested against)
@@ -120,8 +123,8 @@ class Reader:
                 staging.close()
 
     def _cost(self, item: Item) -> int:
-        """Host bytes an item holds while in flight: the tensor itself, or a GPU's staging chunks."""
-        return min(item.nbytes, self.in_flight) if self.cuda else item.nbytes
+        """Bytes an item holds while in flight: the tensor itself (in host memory, or on the GPU)."""
+        return item.nbytes
 
     def _schedule(self, pool: ThreadPoolExecutor, fd: int, item: Item, staging) -> tuple[torch.Tensor, list[Future]]:
         out = torch.empty(item.nbytes, dtype=torch.uint8, device=self.device)

@@ -132,8 +132,13 @@ class Sinks:
         self.updated.append(layer.name)
         if self.plain != "copy":
             self.rows.append(layer_row(layer, w if self.measure else None, self.figures))
-        self._since_trim += w.numel() * w.element_size()
+        nbytes = w.numel() * w.element_size()
         del w
+        self._freed(nbytes)
+
+    def _freed(self, nbytes: int) -> None:
+        """A layer's float weights were dropped: give the heap back every TRIM_EVERY_BYTES of them."""
+        self._since_trim += nbytes
         if self._since_trim >= TRIM_EVERY_BYTES and self.plain == "store":
             trim_heap()
             self._since_trim = 0
@@ -148,6 +153,7 @@ class Sinks:
             if experts.add(d.name, key, t, where, device, dtype,
                            self.figures if self.measure and self.plain != "copy" else None):
                 self.updated.append(layer.name)
+                self._freed(2 * (layer.w13.numel() + layer.w2.numel()))
 
     def _embedding(self, layer, key: str, t: torch.Tensor, where: str) -> None:
         """An Fp8Embedding's table: quantized per row as it arrives (NaN/Inf raise before anything is written)."""

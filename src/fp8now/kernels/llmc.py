@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import LLMC_SCHEMES, Scheme
-from .numerics import CHUNK_BYTES, E4M3FN, weight_amax
+from ..config import LLMC_SCHEMES, Scheme
+from ..numerics import CHUNK_BYTES, E4M3FN, weight_amax
 
 BLOCK = 128
 # Numerics name -> dtype the quotient w / s is rounded to before the FP8 cast (None: the weight's own).
