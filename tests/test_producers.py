@@ -25,8 +25,10 @@ from tiny import write_tiny_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.triton,
               pytest.mark.skipif(triton_jit.available("cpu") is not None, reason="needs Triton's interpreter")]
-# hidden 256 (1x128 groups and 128x128 tiles whole), 4 heads of 64, 2 key/value heads, 2 layers
-SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+# hidden 128 (1x128 groups and 128x128 tiles whole: one each, the fewest the interpreter runs), 2 heads of 64,
+# 1 key/value head, 2 layers
+SIZES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+H = SIZES["hidden_size"]
 ON = Table(producer_kernels=PRODUCERS)    # the default table keeps them off until measured on a GPU
 OFF = Table(producer_kernels=PRODUCERS, producer_quant=())
 
@@ -147,7 +149,7 @@ def test_an_output_changed_in_place_is_quantized_again(checkpoints, monkeypatch)
     reader whose own plan quantizes (another table) quantizes, while its siblings read the bytes."""
     model, _ = load(checkpoints["llama"])
     attn, norm = model.model.layers[0].self_attn, model.model.layers[0].input_layernorm
-    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(4)).bfloat16()
     rec = Recorder(monkeypatch)
     with torch.no_grad():
         y = norm(x)
@@ -170,7 +172,7 @@ def test_kernels_off_run_transformers_forward_and_other_backends_are_left_alone(
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(checkpoints["llama"], dtype=torch.bfloat16)
     model, _ = load(checkpoints["llama"], table=Table(producer_kernels=()))
-    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(5)).bfloat16()
+    x = torch.randn(4, H, generator=torch.Generator().manual_seed(5)).bfloat16()
     with torch.inference_mode():
         assert torch.equal(model.model.layers[1].input_layernorm(x), hf.model.layers[1].input_layernorm(x))
         fused_mlp, hf_mlp = model.model.layers[1].mlp, copy.deepcopy(hf.model.layers[1].mlp)
