@@ -132,12 +132,15 @@ class Sinks:
         self.updated.append(layer.name)
         if self.plain != "copy":
             self.rows.append(layer_row(layer, w if self.measure else None, self.figures))
-        nbytes = w.numel() * w.element_size()
+        nbytes, device = w.numel() * w.element_size(), w.device
         del w
-        self._freed(nbytes)
+        self._freed(nbytes, device)
 
-    def _freed(self, nbytes: int) -> None:
-        """A layer's float weights were dropped: give the heap back every TRIM_EVERY_BYTES of them."""
+    def _freed(self, nbytes: int, device: torch.device) -> None:
+        """A layer's float weights were dropped: give the host heap back every TRIM_EVERY_BYTES of them (a GPU
+        load reads through reused pinned buffers: nothing to give back)."""
+        if device.type != "cpu":
+            return
         self._since_trim += nbytes
         if self._since_trim >= TRIM_EVERY_BYTES and self.plain == "store":
             trim_heap()
@@ -153,7 +156,7 @@ class Sinks:
             if experts.add(d.name, key, t, where, device, dtype,
                            self.figures if self.measure and self.plain != "copy" else None):
                 self.updated.append(layer.name)
-                self._freed(2 * (layer.w13.numel() + layer.w2.numel()))
+                self._freed(2 * (layer.w13.numel() + layer.w2.numel()), layer.w13.device)
 
     def _embedding(self, layer, key: str, t: torch.Tensor, where: str) -> None:
         """An Fp8Embedding's table: quantized per row as it arrives (NaN/Inf raise before anything is written)."""
