@@ -26,6 +26,7 @@ from .head import check_options
 from .experts import (BIAS_LEAVES, FUSED_LEAVES, empty_fp8_experts, experts_layout, hf_shapes, hf_to_fused,
                       target_experts)
 from ..kernels import quantize_weight
+from ..layers.guard import install as install_guard
 from ..layers.linear import Fp8Linear
 from ..layers.moe import Fp8Experts
 
@@ -167,6 +168,7 @@ class Fp8nowQuantizer(HfQuantizer):
                 for leaf in (*FUSED_LEAVES, *BIAS_LEAVES):
                     module._parameters.pop(leaf, None)   # the emptied float placeholders
         freeze_fp8(model)
+        install_guard(model)   # reload_weights is atomic for this model's forwards (layers.guard)
         return model
 
     def get_quantize_ops(self) -> ConversionOps:

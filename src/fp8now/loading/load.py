@@ -18,6 +18,7 @@ from ..config import Fp8Config
 from ..hf.names import model_key
 from ..hf.skeleton import build_skeleton
 from ..layers.cpu_quantizer import install as install_cpu_quantizer
+from ..layers.guard import install as install_guard
 from ..layers.shared_input import share_inputs
 from ..report import LoadReport
 from .devices import resolve_device
@@ -81,6 +82,7 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
     stream_files(plan, source, sinks)
     finish(model, device, str(model_dir))
     share_inputs(model)
+    install_guard(model)   # reload_weights is atomic for this model's forwards (layers.guard)
     report = build_report(model, sinks.rows, plan.ignored, what, device, dtype, plan.scheme,
                           plan.weight_numerics)
     report.cpu_quantizer = install_cpu_quantizer(model, dtype)
