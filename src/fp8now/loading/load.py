@@ -88,6 +88,7 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
     report.cpu_quantizer = install_cpu_quantizer(model, dtype)
     add_experts(report, model, plan.experts.rows if plan.experts is not None else plan.adopted.experts.rows)
     report.skipped_tensors = sinks.skipped
+    report.notices = sinks.absurd
     report.files = [p.name for p in source.files]
     report.load_s = time.perf_counter() - start
     if at_start is not None:

@@ -78,5 +78,6 @@ def quantize_(model: nn.Module, config: Fp8Config | None = None, *,
                           plan.weight_numerics)
     report.cpu_quantizer = install_cpu_quantizer(model, dtype)
     add_experts(report, model, plan.experts.rows)
+    report.notices = sinks.absurd
     report.load_s = time.perf_counter() - start
     return report

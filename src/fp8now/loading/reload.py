@@ -4,12 +4,13 @@ and the loaded model as its plan; the results are copied into the existing FP8 s
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
 
-from ..layers.finite import check_finite
+from ..layers.finite import FiniteCheck
 from ..layers.guard import guard_of
 from ..report import ReloadReport
 from .pipeline import route_tensors, stream_tensors
@@ -55,7 +56,7 @@ def reload_weights(model: nn.Module,
     before the first write. A streaming iterable is applied layer by layer, each layer whole or not
     at all; its error (whatever its type: a note on an OSError of the iterable) lists exactly what was
     already applied, and forwards of the model then raise (`fp8now.guard`) until a reload completes.
-    Unknown names raise.
+    Unknown names raise. Finite values beyond fp16's range are warned about (`report.warnings`).
 
     Atomic for forwards (`fp8now.guard`): running forwards finish first (`timeout` seconds at most, None: no
     limit, else TimeoutError with nothing applied), new ones wait until the call returns; two calls on one
@@ -66,6 +67,8 @@ def reload_weights(model: nn.Module,
     with g.writing(model, timeout):
         report = _reload(model, named_tensors, g)
     report.seconds = time.perf_counter() - start
+    for text in report.warnings:
+        warnings.warn(f"fp8now: {text}", stacklevel=2)
     return report
 
 
@@ -99,9 +102,12 @@ def _reload(model: nn.Module, named_tensors, g) -> ReloadReport:
     routed = None
     if source.known:   # all-or-nothing: every check before the first write
         routed = route_tensors(plan, source, refuse)
+        check = FiniteCheck()
+        for key, t, d in routed:   # FP8 weights' magnitudes come from their new scales (sinks)
+            check.add(t, f"tensor {key!r}", warn=d.kind in ("param", "buffer") or key.endswith("bias"))
         try:
             plan.experts.check_merges(source.tensors(), WHERE)
-            check_finite([(t, f"tensor {key!r}") for key, t in source.items])
+            sinks.absurd += check.raise_if_bad()
         except ValueError as e:
             raise ValueError(f"{WHERE}: {e}; nothing of this call was applied") from None
     try:
@@ -125,5 +131,6 @@ def _reload(model: nn.Module, named_tensors, g) -> ReloadReport:
         needed = ("weight", "bias") if layer.bias is not None else ("weight",)
         report.partial.append((layer_name, [f"{layer_name}.{leaf}" for leaf in needed if leaf not in parts]))
     report.partial += [(name, plan.experts.missing(name)) for name in plan.experts.pending]
+    report.warnings = sinks.absurd + sinks.finite.raise_if_bad()
     g.set_torn(None)
     return report
