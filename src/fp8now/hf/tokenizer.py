@@ -21,7 +21,9 @@ def has_tokenizer(model_dir: Path) -> bool:
 def load_tokenizer(model_dir: Path):
     """`AutoTokenizer` of `model_dir`; an error naming the folder and the files it lacks otherwise."""
     from .custom_code import CustomCodeError, load_tokenizer as load_builtin
+    from .folder import check_folder
 
+    check_folder(Path(model_dir))   # no FIFO, device or outside link is opened as a tokenizer file
     found = [" + ".join(names) for names in TOKENIZER_FILES if _present(model_dir, names)]
     if not found:
         wanted = ", ".join(" + ".join(names) for names in TOKENIZER_FILES)

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..config import Fp8Config
 from ..hf.names import model_key
+from ..hf.folder import check_folder
 from ..hf.skeleton import build_skeleton
 from ..layers.cpu_quantizer import install as install_cpu_quantizer
 from ..layers.guard import install as install_guard
@@ -62,6 +63,7 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
         torch.cuda.reset_peak_memory_stats(device)
         at_start = torch.cuda.memory_allocated(device)
     model_dir = Path(model_dir)
+    check_folder(model_dir)          # regular files inside the folder only: nothing is opened before this
     quantization = prequantized_config(model_dir)
     if quantization is not None and (tp_plan is not None or moe_parallel is not None):
         raise ValueError(f"{model_dir} holds an FP8 checkpoint (quantization_config): tp_plan is not supported "
@@ -88,7 +90,7 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
     report.cpu_quantizer = install_cpu_quantizer(model, dtype)
     add_experts(report, model, plan.experts.rows if plan.experts is not None else plan.adopted.experts.rows)
     report.skipped_tensors = sinks.skipped
-    report.notices = sinks.absurd
+    report.notices = source.notices + sinks.absurd
     report.files = [p.name for p in source.files]
     report.load_s = time.perf_counter() - start
     if at_start is not None:
