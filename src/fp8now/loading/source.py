@@ -37,6 +37,9 @@ def header_of(key: str, t: torch.Tensor, where: str) -> Header:
     """The header of an in-memory tensor; a non-tensor value is refused naming its key."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{where}: {key!r} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_meta:
+        raise ValueError(f"{where}: {key!r} is on the meta device (a shape without values); pass tensors that "
+                         "hold the new weights")
     return Header(key, tuple(t.shape), _ST_NAME.get(t.dtype, str(t.dtype)), where)
 
 
