@@ -175,7 +175,10 @@ class Fp8nowQuantizer(HfQuantizer):
         return _QuantizeOnLoad(self)
 
     def is_serializable(self, *args, **kwargs) -> bool:
-        return False   # save with fp8now.save (compressed-tensors / fp8), which every reader knows
+        """Asked only by save_pretrained, whose own refusal names nothing: say what to use instead."""
+        raise ValueError("save_pretrained cannot write fp8now's FP8 layers (no reader knows a quant_method "
+                         "'fp8now'): save the model with fp8now.save(model, folder, format='compressed-tensors' "
+                         "or 'fp8'), which transformers, vLLM and SGLang read")
 
     @property
     def is_trainable(self) -> bool:

@@ -50,6 +50,17 @@ def read_config(model_dir: Path) -> PretrainedConfig:
     return load_config(model_dir)
 
 
+def auto_map_notice(model_dir: Path, raw: dict) -> str | None:
+    """What to tell when config.json names custom code (auto_map) for a model_type transformers builds itself."""
+    auto_map = raw.get("auto_map")
+    if not auto_map:
+        return None
+    names = ", ".join(f"{k}: {v}" for k, v in auto_map.items()) if isinstance(auto_map, dict) else repr(auto_map)
+    return (f"{model_dir / 'config.json'} names custom code under auto_map ({names}); fp8now never runs a "
+            f"folder's code and built transformers' own {raw['model_type']!r} class instead: if that code changes "
+            "the model, its outputs differ from the custom code's")
+
+
 def build_skeleton(model_dir: Path, dtype: torch.dtype) -> nn.Module:
     """The CausalLM of `model_dir/config.json` with parameters on meta and real buffers (CPU)."""
     from transformers import AutoModelForCausalLM

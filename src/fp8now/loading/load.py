@@ -17,7 +17,7 @@ from torch import nn
 from ..config import Fp8Config
 from ..hf.names import model_key
 from ..hf.folder import check_folder
-from ..hf.skeleton import build_skeleton, read_raw_config
+from ..hf.skeleton import auto_map_notice, build_skeleton, read_raw_config
 from ..layers.cpu_quantizer import install as install_cpu_quantizer
 from ..layers.guard import install as install_guard
 from ..layers.shared_input import share_inputs
@@ -93,7 +93,7 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
     report.cpu_quantizer = install_cpu_quantizer(model, dtype)
     add_experts(report, model, plan.experts.rows if plan.experts is not None else plan.adopted.experts.rows)
     report.skipped_tensors = sinks.skipped
-    report.notices = source.notices + sinks.absurd
+    report.notices = [n for n in (auto_map_notice(model_dir, raw),) if n] + source.notices + sinks.absurd
     report.files = [p.name for p in source.files]
     report.load_s = time.perf_counter() - start
     if at_start is not None:
