@@ -136,6 +136,14 @@ def test_a_malformed_quantization_config_field_is_named(tmp_path, good, fmt, pat
         fp8now.load(folder, device="cpu")
 
 
+@pytest.mark.parametrize("field, value", [("quantization_config", "fp8"), ("quantization_config", ["fp8"]),
+                                          ("text_config", ["not", "an", "object"])])
+def test_a_quantization_config_or_text_config_that_is_no_object_is_named(tmp_path, good, field, value):
+    folder = _with_config(good[1], tmp_path / "qc", **{field: value})
+    with pytest.raises(ValueError, match=rf"config\.json: {field}"):
+        fp8now.load(folder, device="cpu")
+
+
 def test_the_unedited_exports_load(tmp_path, good):
     folder = shutil.copytree(good[1], tmp_path / "ct")
     _qc(folder, lambda qc: (qc.clear(), qc.update(CT)))

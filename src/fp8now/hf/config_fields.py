@@ -38,7 +38,11 @@ def _bad(value, least: int, most: int | None) -> bool:
 
 def check_size_fields(raw: dict, where: str) -> None:
     """Every SIZE_FIELDS entry of `raw` (the parsed config.json at `where`) is a whole number in range, a list
-    of them, or null; else a ValueError naming the field and what it holds."""
+    of them, or null; else a ValueError naming the field and what it holds. A text_config must be an object."""
+    text = raw.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        raise ValueError(f"{where}: text_config is {text!r} ({type(text).__name__}); it must be an object (a "
+                         "multimodal model's language-model config); config.json is corrupt: re-download it")
     for prefix, fields in config_parts(raw):
         for name, least in SIZE_FIELDS.items():
             value = fields.get(name)
