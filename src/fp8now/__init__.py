@@ -2,6 +2,7 @@
 
 from .config import Fp8Config, Scheme
 from .export import save
+from .layers.guard import ReloadInProgress, TornWeights, guard
 from .layers.linear import Fp8Linear
 from .layers.moe import Fp8Experts
 from .loading.load import load
@@ -12,6 +13,7 @@ from .report import LoadReport
 
 __all__ = [
     "Fp8Config", "Fp8Experts", "Fp8Linear", "LoadReport", "Scheme", "load", "quantize_", "reload_weights",
+    "guard", "ReloadInProgress", "TornWeights",
     "dequantize", "quantize_activation", "quantize_weight", "rel_diff", "sqnr", "save", "TransformersConfig",
 ]
 

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import secrets
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from torch import nn
 from .loading.files import INDEX_NAME, SINGLE_NAME
 from .hf.names import checkpoint_module_names, to_checkpoint_names
 from .config import Fp8Config
+from .export_readers import reader_notes
 from .loading.formats import SCALE_LEAF, check_expressible, check_format, quantization_config
 from .layers.embedding import Fp8Embedding
 from .layers.linear import Fp8Linear
@@ -190,7 +192,16 @@ def save(model: nn.Module, out_dir: str | Path, format: str = "compressed-tensor
     format: "compressed-tensors" (every scheme) or "fp8" (transformers' FineGrainedFP8: block only).
     `source`: the folder the model came from, for its tokenizer and generation files (default: the
     config's `_name_or_path`). Shards hold at most `max_shard_bytes`, with an index when several.
+    A known reader that cannot read the result is warned about (export_readers.reader_notes).
     """
+    out = _save(model, out_dir, format, source, max_shard_bytes)
+    for note in reader_notes(model, format):
+        warnings.warn(f"fp8now: {note}", stacklevel=2)
+    return out
+
+
+def _save(model: nn.Module, out_dir: str | Path, format: str, source: str | Path | None,
+          max_shard_bytes: int) -> Path:
     from safetensors.torch import save_file
 
     fmt = check_format(format)
@@ -260,10 +271,13 @@ def quantize(model_dir: str | Path, out_dir: str | Path, config: Fp8Config | Non
              format: str = "compressed-tensors", *, device: torch.device | str | None = None,
              max_shard_bytes: int = MAX_SHARD_BYTES):
     """Quantize a bf16 checkpoint while loading it (fp8now.load) and save it in `format`: returns
-    (out_dir, load report). The format is checked against the scheme before anything is loaded."""
+    (out_dir, load report; its warnings name what a known reader cannot read). The format is checked against
+    the scheme before anything is loaded."""
     from .loading.load import load
 
     config = config or Fp8Config()
     fmt = check_export(config, format, out_dir)
     model, report = load(model_dir, config, device=device, measure_error=False)
-    return save(model, out_dir, fmt, source=model_dir, max_shard_bytes=max_shard_bytes), report
+    out = _save(model, out_dir, fmt, model_dir, max_shard_bytes)
+    report.notices += reader_notes(model, fmt)
+    return out, report

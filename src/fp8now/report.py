@@ -60,7 +60,8 @@ class LoadReport:
     layers: one row per quantized layer (FP8 embedding: backend "lookup", no plan; "lookup (tied)" reads the
     head's bytes, counted with the head). ignored: (module, reason) for every linear left alone.
     skipped_tensors: (checkpoint tensor, reason) read but not used (a tied duplicate, a legacy inv_freq).
-    warnings(): layers whose outliers flushed many weights to zero (also in to_dict() and the summary).
+    warnings(): layers whose outliers flushed many weights to zero, and the `notices` (also in to_dict() and the
+    summary).
     bf16_bytes: the quantized layers' weights at 2 bytes/element; fp8_bytes: their FP8 weights + scales.
     model_bytes: every parameter and buffer of the final model (embeddings, norms and lm_head included).
     work_bytes: what backends keep beside the FP8 bytes (the cpu backend's bf16 working copies).
@@ -92,6 +93,7 @@ class LoadReport:
     peak_host_rss_bytes: int | None = 0
     cpu_quantizer: str | None = None
     weight_numerics: str = "spec"
+    notices: list[str] = field(default_factory=list)   # other warnings: odd values, index or config (load.py)
 
     @property
     def quantized(self) -> list[str]:
@@ -178,8 +180,9 @@ class LoadReport:
 
     def warnings(self) -> list[str]:
         """One line per layer that lost too many weights to zero (thresholds: ZERO_FLUSHED_WARN and
-        GROUP_FLUSHED_WARN)."""
-        return [text for row in self.layers if (text := flush_warning(row))]
+        GROUP_FLUSHED_WARN), then the notices (finite values beyond fp16's range, an index that omits tensors,
+        custom code under auto_map that was not run)."""
+        return [text for row in self.layers if (text := flush_warning(row))] + list(self.notices)
 
 
 @dataclass
@@ -190,6 +193,7 @@ class ReloadReport:
     copied: list[str] = field(default_factory=list)
     partial: list[tuple[str, list[str]]] = field(default_factory=list)  # (layer, names that did not arrive)
     skipped: list[str] = field(default_factory=list)  # the model computes them (buffers, legacy inv_freq)
+    warnings: list[str] = field(default_factory=list)  # finite values beyond fp16's range (layers.finite)
     seconds: float = 0.0
 
     @property
@@ -201,7 +205,7 @@ class ReloadReport:
                 f"copied in {self.seconds:.2f} s")
         for layer, missing in self.partial:
             text += f"\n  NOT updated (partial): {layer}: missing {', '.join(missing)}"
-        return text
+        return text + "".join(f"\n  WARNING: {w}" for w in self.warnings)
 
 
 def _num(x: float | None, fmt: str) -> str:

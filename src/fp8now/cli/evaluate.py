@@ -205,6 +205,7 @@ def evaluate(model_dir: str | os.PathLike, schemes: Sequence[str], text: str, *,
     """
     from tqdm.auto import tqdm
 
+    from ..hf.tokenizer import check_token_ids
     from ..loading.load import load, resolve_device
 
     model_dir = Path(model_dir)
@@ -214,6 +215,7 @@ def evaluate(model_dir: str | os.PathLike, schemes: Sequence[str], text: str, *,
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     ids = tokenize(model_dir, text)
+    check_token_ids(ids, model_dir)   # a tokenizer of another model fails here, before any weight is read
     total_tokens = ids.numel()
     if max_tokens is not None:
         ids = ids[:max_tokens]

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from .flags import add_layer_flags, flag_config, layer_options
+from .output import dumps, error_object
 
 DEFAULT_PROMPT = "Explain in two sentences why smaller number formats make language models faster."
 SAMPLE_TEMPERATURE = 0.7
@@ -90,14 +91,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"run": cmd_run, "eval": cmd_eval, "inspect": cmd_inspect,
                 "quantize": cmd_quantize, "bench": cmd_bench}[args.command](args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("fp8now: interrupted", file=sys.stderr)
+        if args.json:
+            print(dumps(error_object(args, e, "interrupted")))
         return 130
-    except Exception as e:  # one clear line, unless --debug
+    except Exception as e:  # one clear line, unless --debug; with --json also one JSON object on stdout
         if args.debug:
             raise
         message = " ".join(str(e).split()) or type(e).__name__
         print(f"fp8now: error: {message}", file=sys.stderr)
+        if args.json:
+            print(dumps(error_object(args, e, message)))
         return 1
 
 
@@ -146,18 +151,6 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def cmd_quantize(args) -> int:
-    from ..export import check_export, quantize
-    from ..hf.models import resolve_model
-
-    key, config = flag_config(args)
-    check_export(config, args.format, args.out)   # before converting or loading anything
-    out, report = quantize(resolve_model(args.model), args.out, config, args.format, device=_device(args.device))
-    print(f"wrote {out} ({args.format}): {len(report.layers)} layers in FP8 ({key}), "
-          f"{len(report.ignored)} left in high precision")
-    return 0
-
-
 def cmd_run(args) -> int:
     """Generate; with --json the text lines are dropped and one JSON object printed instead."""
     with contextlib.redirect_stdout(io.StringIO()) if args.json else contextlib.nullcontext():
@@ -179,13 +172,14 @@ def _run(args):
     from ..host_memory import current_rss_bytes
     from ..hf.models import resolve_model
     from .output import memory_summary
-    from ..hf.tokenizer import load_tokenizer
+    from ..hf.tokenizer import check_token_ids, load_tokenizer
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     flag_config(args)   # a bad scheme fails before any read
     model_dir = resolve_model(args.model, progress=_progress())
     tokenizer = load_tokenizer(model_dir)            # before any weight is read
+    check_token_ids(_encode(tokenizer, args.prompt, "cpu")["input_ids"], model_dir)
     key, model_dir, model, report = _load(args, measure_error=False, model_dir=model_dir)
     rss_after_load = current_rss_bytes()
     enc = _encode(tokenizer, args.prompt, next(model.parameters()).device)
@@ -284,6 +278,12 @@ def cmd_eval(args) -> int:
     if args.plot:
         print(f"\nKL and top-1 plot: {results['plot']}")
     return 0
+
+
+def cmd_quantize(args) -> int:
+    from .quantize_cmd import quantize_command
+
+    return quantize_command(args, _device(args.device), _progress())
 
 
 def cmd_bench(args) -> int:

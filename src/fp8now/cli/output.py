@@ -1,15 +1,16 @@
 """What the CLI prints: one JSON shape for `run`, `eval`, `inspect` and `bench`, and the text tables.
 
 JSON (`--json`), the same keys for every command:
-    {"command": "run" | "eval" | "inspect" | "bench", "model": folder, "device": str,
+    {"command": "run" | "eval" | "inspect" | "quantize" | "bench", "model": folder, "device": str,
      "args": {the command's options},
      "results": {command-wide results: eval's text and bf16 time; bench's model name and bf16 rows;
                  {} otherwise},
      "schemes": {key: {"config": {"scheme", "activation", "backend", "fast_accum"},
                        "report": LoadReport.to_dict(),
                        "results": {run: "generations"; eval: the KL statistics; inspect: "summary";
-                                   bench: "rows" (bench.py)}}}}
-Non-finite floats become null, so the output is strict JSON.
+                                   quantize: "out", "format"; bench: "rows" (bench.py)}}}}
+A failed command prints {"command", "model", "error": {"type", "message"}} instead (error_object), besides its
+one line on stderr. Non-finite floats become null, so the output is strict JSON.
 """
 
 from __future__ import annotations
@@ -30,6 +31,21 @@ def envelope(command: str, model, device: str, args: dict, schemes: dict, result
 
 def scheme_entry(config: dict, report: dict, results: dict) -> dict:
     return {"config": config, "report": report, "results": results}
+
+
+def error_object(args, e: BaseException, message: str) -> dict:
+    """`--json`'s output for a failed command (exit status 1, or 130 when interrupted)."""
+    return {"command": args.command, "model": args.model, "error": {"type": type(e).__name__, "message": message}}
+
+
+def quantize_summary(report, out, fmt: str, key: str) -> str:
+    """`quantize`'s text: what it wrote (dense layers and experts in FP8, what stayed in high precision), then
+    the load report's warnings (including what a known reader cannot read)."""
+    experts = "" if not report.experts else (
+        f", {len(report.experts)} experts modules ({sum(r.num_experts for r in report.experts)} experts) in FP8")
+    lines = [f"wrote {out} ({fmt}): {len(report.layers)} layers in FP8 ({key}){experts}, {len(report.ignored)} "
+             "left in high precision"]
+    return "\n".join(lines + [f"WARNING: {w}" for w in report.warnings()])
 
 
 def eval_envelope(results: dict, args: dict) -> dict:

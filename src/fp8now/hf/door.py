@@ -26,6 +26,7 @@ from .head import check_options
 from .experts import (BIAS_LEAVES, FUSED_LEAVES, empty_fp8_experts, experts_layout, hf_shapes, hf_to_fused,
                       target_experts)
 from ..kernels import quantize_weight
+from ..layers.guard import install as install_guard
 from ..layers.linear import Fp8Linear
 from ..layers.moe import Fp8Experts
 
@@ -167,13 +168,17 @@ class Fp8nowQuantizer(HfQuantizer):
                 for leaf in (*FUSED_LEAVES, *BIAS_LEAVES):
                     module._parameters.pop(leaf, None)   # the emptied float placeholders
         freeze_fp8(model)
+        install_guard(model)   # reload_weights is atomic for this model's forwards (layers.guard)
         return model
 
     def get_quantize_ops(self) -> ConversionOps:
         return _QuantizeOnLoad(self)
 
     def is_serializable(self, *args, **kwargs) -> bool:
-        return False   # save with fp8now.save (compressed-tensors / fp8), which every reader knows
+        """Asked only by save_pretrained, whose own refusal names nothing: say what to use instead."""
+        raise ValueError("save_pretrained cannot write fp8now's FP8 layers (no reader knows a quant_method "
+                         "'fp8now'): save the model with fp8now.save(model, folder, format='compressed-tensors' "
+                         "or 'fp8'), which transformers, vLLM and SGLang read")
 
     @property
     def is_trainable(self) -> bool:

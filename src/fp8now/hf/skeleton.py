@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .config_fields import check_size_fields
 from .custom_code import load_config
 from .meta import ThreadDefaultDtype, parameters_on_meta
 
@@ -17,8 +18,9 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-def read_config(model_dir: Path) -> PretrainedConfig:
-    """The transformers config of a checkpoint folder; clear errors for a missing/odd config.json."""
+def read_raw_config(model_dir: Path) -> dict:
+    """config.json of a checkpoint folder as a dict, its model_type known to transformers and its size fields
+    checked (config_fields); clear errors for a missing or odd folder, file or field."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     path = model_dir / "config.json"
@@ -34,11 +36,29 @@ def read_config(model_dir: Path) -> PretrainedConfig:
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
     if not model_type:
         raise ValueError(f"{path} has no 'model_type'; fp8now needs a transformers model config")
-    if model_type not in CONFIG_MAPPING:
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         hint = " (it uses custom code via auto_map, which fp8now does not run)" if "auto_map" in raw else ""
         raise ValueError(f"{path}: model_type {model_type!r} is not known to the installed transformers"
                          f"{hint}; upgrade transformers or use a supported architecture")
+    check_size_fields(raw, str(path))
+    return raw
+
+
+def read_config(model_dir: Path) -> PretrainedConfig:
+    """The transformers config of a checkpoint folder; clear errors for a missing/odd config.json."""
+    read_raw_config(model_dir)
     return load_config(model_dir)
+
+
+def auto_map_notice(model_dir: Path, raw: dict) -> str | None:
+    """What to tell when config.json names custom code (auto_map) for a model_type transformers builds itself."""
+    auto_map = raw.get("auto_map")
+    if not auto_map:
+        return None
+    names = ", ".join(f"{k}: {v}" for k, v in auto_map.items()) if isinstance(auto_map, dict) else repr(auto_map)
+    return (f"{model_dir / 'config.json'} names custom code under auto_map ({names}); fp8now never runs a "
+            f"folder's code and built transformers' own {raw['model_type']!r} class instead: if that code changes "
+            "the model, its outputs differ from the custom code's")
 
 
 def build_skeleton(model_dir: Path, dtype: torch.dtype) -> nn.Module:

@@ -21,7 +21,9 @@ def has_tokenizer(model_dir: Path) -> bool:
 def load_tokenizer(model_dir: Path):
     """`AutoTokenizer` of `model_dir`; an error naming the folder and the files it lacks otherwise."""
     from .custom_code import CustomCodeError, load_tokenizer as load_builtin
+    from .folder import check_folder
 
+    check_folder(Path(model_dir))   # no FIFO, device or outside link is opened as a tokenizer file
     found = [" + ".join(names) for names in TOKENIZER_FILES if _present(model_dir, names)]
     if not found:
         wanted = ", ".join(" + ".join(names) for names in TOKENIZER_FILES)
@@ -36,3 +38,19 @@ def load_tokenizer(model_dir: Path):
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ValueError(f"{model_dir}: its tokenizer ({', '.join(found)}) cannot be loaded: {first}; "
                          "re-copy the tokenizer files of the original checkpoint") from None
+
+
+def check_token_ids(ids, model_dir: Path) -> None:
+    """Every token id of `ids` (a tensor) is a row of the model's embedding (config.json's vocab_size); else one
+    clear error instead of an index error deep inside the embedding."""
+    from .custom_code import load_config
+
+    if not ids.numel():
+        return
+    rows = load_config(model_dir).get_text_config().vocab_size
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= rows:
+        bad = high if high >= rows else low
+        raise ValueError(f"{model_dir}: the tokenizer gives token id {bad}, but the model's embedding has {rows} "
+                         f"rows (ids 0-{rows - 1}, vocab_size in config.json); the tokenizer does not belong to "
+                         "this model: copy the tokenizer files of the original checkpoint")

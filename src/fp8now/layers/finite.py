@@ -1,52 +1,88 @@
 """NaN/Inf checks for the float tensors a load or reload stores as they are (norms, biases, embeddings,
-lm_head): one pass per tensor, one host sync per batch of tensors instead of one per tensor."""
+lm_head), and a warning for finite values no trained weight comes near (1e30 in a norm weight): one pass per
+tensor (`aminmax`, which propagates NaN), one host sync per batch of tensors instead of one per tensor."""
 
 from __future__ import annotations
 
 import torch
 
-_CHUNK = 1 << 24  # elements per isfinite pass (its bool temporary)
+from ..numerics import E4M3FN
+
+_CHUNK = 1 << 24  # elements per aminmax pass
+# Beyond this magnitude a finite weight, norm or bias is taken as corrupt: fp16's largest value, which every
+# fp16 checkpoint respects and no trained bf16 weight comes near. Only warned: the values are used as they are.
+ABSURD = 65504.0
+
+
+def peak_abs(t: torch.Tensor) -> torch.Tensor:
+    """max |t| as a float32 scalar on t's device, NaN when t holds NaN and inf when it holds an infinity;
+    chunked, so its temporaries stay small whatever the tensor."""
+    flat = t.reshape(-1)
+    peak = None
+    for i in range(0, flat.numel(), _CHUNK):
+        part = flat[i:i + _CHUNK]
+        lo, hi = torch.aminmax(part if part.element_size() > 1 else part.float())   # FP8 has no aminmax
+        p = torch.maximum(hi.float(), -lo.float())
+        peak = p if peak is None else torch.maximum(peak, p)
+    return peak
+
+
+def scale_peak(*scales: torch.Tensor) -> torch.Tensor:
+    """The largest |w| an FP8 layer's scales stand for (the largest scale x 448), as a float32 scalar: the
+    magnitude check of a quantized weight, from its scales alone (no pass over the weight)."""
+    return torch.stack([s.detach().amax().float() for s in scales]).amax() * E4M3FN.fmax
+
+
+def absurd_warning(name: str, peak: float) -> str:
+    """The warning for a finite tensor whose magnitude reaches `peak` > ABSURD."""
+    return (f"{name} holds a value of magnitude {peak:.3g}, beyond {ABSURD:g} (fp16's range): finite, but no "
+            "trained weight comes near it; the checkpoint is probably corrupt (the value is used as it is)")
 
 
 class FiniteCheck:
-    """Collects one on-device "all finite" flag per float tensor; `raise_if_bad` syncs once for all."""
+    """Collects one on-device max |x| per float tensor; `raise_if_bad` syncs once for all of them."""
 
     def __init__(self) -> None:
-        self._flags: list[torch.Tensor] = []
+        self._peaks: list[torch.Tensor] = []
         self._names: list[str] = []
+        self._warn: list[bool] = []
 
-    def add(self, t: torch.Tensor, name: str) -> None:
-        """Queue `t` (any dtype; only floats are checked); `name` says which tensor in which file."""
+    def add(self, t: torch.Tensor, name: str, warn: bool = True) -> None:
+        """Queue `t` (any dtype; only floats are checked); `name` says which tensor in which file. `warn`:
+        also warn beyond ABSURD (False: NaN/Inf only, e.g. a weight whose FP8 scales are checked instead)."""
         if t.is_floating_point() and t.numel():
-            flat = t.reshape(-1)
-            flag = torch.isfinite(flat[:_CHUNK]).all()
-            for i in range(_CHUNK, flat.numel(), _CHUNK):  # bounded temporaries for a large embedding
-                flag &= torch.isfinite(flat[i:i + _CHUNK]).all()
-            self._flags.append(flag)
-            self._names.append(name)
+            self.add_peak(peak_abs(t), name, warn)
 
-    def raise_if_bad(self) -> None:
-        """Raise a ValueError naming the first tensor holding NaN or Inf; then start empty."""
-        flags, names = self._flags, self._names
-        self._flags, self._names = [], []
-        if not flags:
-            return
-        ok = torch.stack([f.to(flags[0].device) for f in flags])
-        if bool(ok.all()):
-            return
-        bad = [names[i] for i in (~ok).nonzero().flatten().tolist()]
-        more = f" (and {len(bad) - 1} more: {', '.join(bad[1:4])}{', ...' if len(bad) > 4 else ''})" \
-            if len(bad) > 1 else ""
-        raise ValueError(f"{bad[0]} contains NaN or Inf{more}; fix or re-export the checkpoint "
-                         "(a non-finite value makes every output NaN)")
+    def add_peak(self, peak: torch.Tensor, name: str, warn: bool = True) -> None:
+        """Queue a max |x| computed by the caller (e.g. from an FP8 layer's scales: 448 x the largest)."""
+        self._peaks.append(peak)
+        self._names.append(name)
+        self._warn.append(warn)
+
+    def raise_if_bad(self) -> list[str]:
+        """Raise a ValueError naming the first tensor holding NaN or Inf; else -> one warning per tensor
+        beyond ABSURD (absurd_warning). Then start empty."""
+        peaks, names, warn = self._peaks, self._names, self._warn
+        self._peaks, self._names, self._warn = [], [], []
+        if not peaks:
+            return []
+        values = torch.stack([p.to(peaks[0].device) for p in peaks]).tolist()
+        bad = [names[i] for i, v in enumerate(values) if v != v or v == float("inf")]
+        if bad:
+            more = f" (and {len(bad) - 1} more: {', '.join(bad[1:4])}{', ...' if len(bad) > 4 else ''})" \
+                if len(bad) > 1 else ""
+            raise ValueError(f"{bad[0]} contains NaN or Inf{more}; fix or re-export the checkpoint "
+                             "(a non-finite value makes every output NaN)")
+        return [absurd_warning(name, v) for name, v, w in zip(names, values, warn) if w and v > ABSURD]
 
 
-def check_finite(tensors: list[tuple[torch.Tensor, str]]) -> None:
-    """Raise (naming the tensor) if any float tensor in `tensors` holds NaN or Inf; one sync in all."""
+def check_finite(tensors: list[tuple[torch.Tensor, str]]) -> list[str]:
+    """Raise (naming the tensor) if any float tensor in `tensors` holds NaN or Inf; one sync in all. -> the
+    warnings for finite values beyond ABSURD."""
     check = FiniteCheck()
     for t, name in tensors:
         check.add(t, name)
-    check.raise_if_bad()
+    return check.raise_if_bad()
 
 
 def nonfinite_slices(tensors: dict[str, torch.Tensor], parts: dict[str, int]

@@ -110,6 +110,11 @@ class ExpertsLoad:
                              "unquantized experts module yet: do not ignore these experts")
         if ST_DTYPES.get(st_dtype) not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"{path}: tensor {key!r} has dtype {st_dtype}; expected BF16, F16 or F32")
+        expert, count = expert_index(key, pattern), self.fused[renamed][1][0]
+        if expert is not None and expert >= count:   # it would merge into another expert's place
+            raise ValueError(f"{path}: tensor {key!r} is expert {expert}, but {renamed} holds {count} experts "
+                             f"(ids 0-{count - 1}, the config's expert count) and would take another's place; the "
+                             "checkpoint (or the names given) does not match the model's config.json")
         if key not in self.pattern_of:   # reload_weights checks a dict before applying it: claimed twice
             self.parts.setdefault(renamed, {}).setdefault(pattern, []).append(key)
             self.pattern_of[key] = pattern

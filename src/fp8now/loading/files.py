@@ -3,13 +3,12 @@ the errors for a missing, truncated or corrupt file."""
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 
 import torch
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
+from ..hf.folder import INDEX_NAME, SINGLE_NAME, check_file, read_index
 
 # safetensors dtype names -> torch dtypes (for the float checks before any data is read).
 ST_DTYPES: dict[str, torch.dtype] = {
@@ -20,34 +19,33 @@ ST_DTYPES: dict[str, torch.dtype] = {
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: the shards of the index, or `model.safetensors`."""
+    """The safetensors files of a checkpoint: the shards of the index, or `model.safetensors`; each one checked
+    to be a regular file inside the folder before anything opens it (hf.folder)."""
     index = model_dir / INDEX_NAME
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = list(dict.fromkeys(weight_map.values()))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{index} is not a valid safetensors index ({type(e).__name__}: {e}); "
-                             "re-download it") from None
-        missing = [n for n in names if not (model_dir / n).is_file()]
+    if os.path.lexists(index):
+        if os.path.lexists(model_dir / SINGLE_NAME):
+            raise ValueError(f"{model_dir} holds both {SINGLE_NAME} and {INDEX_NAME}: fp8now would read the "
+                             f"index's shards, transformers reads {SINGLE_NAME}, and they may hold different "
+                             "weights; remove the one that is stale")
+        names = list(dict.fromkeys(read_index(model_dir).values()))
+        missing = [n for n in names if not os.path.lexists(model_dir / n)]
         if missing:
             raise FileNotFoundError(f"{index} names shard(s) {', '.join(missing)}, missing from {model_dir}; "
                                     "re-download the checkpoint")
-        return [model_dir / n for n in names]
-    if (model_dir / SINGLE_NAME).is_file():
-        return [model_dir / SINGLE_NAME]
+        return [check_file(model_dir, n) for n in names]
+    if os.path.lexists(model_dir / SINGLE_NAME):
+        return [check_file(model_dir, SINGLE_NAME)]
     others = sorted(model_dir.glob("*.safetensors"))
     if others:
-        return others
+        return [check_file(model_dir, p.name) for p in others]
     bins = sorted(p.name for p in model_dir.glob("*.bin"))
     hint = f" (found {', '.join(bins[:3])}: convert them to safetensors first)" if bins else ""
     raise FileNotFoundError(f"{model_dir} holds no {SINGLE_NAME} or {INDEX_NAME}{hint}")
 
 
 def index_map(model_dir: Path) -> dict[str, str] | None:
-    """The index's tensor -> file-name map, or None for an unsharded checkpoint."""
-    index = model_dir / INDEX_NAME
-    return json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    """The index's tensor -> file-name map (checked: hf.folder.read_index), or None for an unsharded checkpoint."""
+    return read_index(model_dir) if os.path.lexists(model_dir / INDEX_NAME) else None
 
 
 def corrupt_error(path: Path, e: Exception) -> ValueError:

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 
 from ..config import Scheme
+from .qconfig_fields import check_quantization_config
 
 FORMATS = ("compressed-tensors", "fp8")
 BLOCK = 128
@@ -115,6 +116,7 @@ class Prequantized:
 
 def read_quantization_config(raw: dict, where: str) -> Prequantized:
     """Parse a `quantization_config` of either format; anything fp8now cannot run raises, naming `where`."""
+    check_quantization_config(raw, where)   # every field below of the JSON type it is read as
     method = raw.get("quant_method")
     if method == "fp8":
         if raw.get("activation_scheme", "dynamic") not in ("dynamic", "static"):

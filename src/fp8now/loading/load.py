@@ -16,8 +16,10 @@ from torch import nn
 
 from ..config import Fp8Config
 from ..hf.names import model_key
-from ..hf.skeleton import build_skeleton
+from ..hf.folder import check_folder
+from ..hf.skeleton import auto_map_notice, build_skeleton, read_raw_config
 from ..layers.cpu_quantizer import install as install_cpu_quantizer
+from ..layers.guard import install as install_guard
 from ..layers.shared_input import share_inputs
 from ..report import LoadReport
 from .devices import resolve_device
@@ -25,6 +27,7 @@ from .pipeline import finish, stream_files
 from .plan import plan_quantize
 from .prequantized import plan_prequantized, prequantized_config
 from .rows import add_experts, build_report
+from .sizes import check_sizes
 from .sinks import Sinks
 from .source import FileSource
 
@@ -61,6 +64,10 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
         torch.cuda.reset_peak_memory_stats(device)
         at_start = torch.cuda.memory_allocated(device)
     model_dir = Path(model_dir)
+    check_folder(model_dir)          # regular files inside the folder only: nothing is opened before this
+    raw = read_raw_config(model_dir)
+    source = FileSource(model_dir)   # the index checked, every header read (no data)
+    check_sizes(raw, source.headers(), model_dir)   # before the skeleton: a config the files cannot hold
     quantization = prequantized_config(model_dir)
     if quantization is not None and (tp_plan is not None or moe_parallel is not None):
         raise ValueError(f"{model_dir} holds an FP8 checkpoint (quantization_config): tp_plan is not supported "
@@ -73,7 +80,6 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
         plan, info = plan_prequantized(model, source.headers(), model_dir, quantization, config, rename)
         what = f"{model_dir} ({info.fmt}, pre-quantized)"
     else:
-        source = FileSource(model_dir)
         plan = plan_quantize(model, config, str(model_dir), dtype, tp_plan=tp_plan, tp_group=tp_group,
                              moe_parallel=moe_parallel)
         what = str(model_dir)
@@ -81,11 +87,13 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
     stream_files(plan, source, sinks)
     finish(model, device, str(model_dir))
     share_inputs(model)
+    install_guard(model)   # reload_weights is atomic for this model's forwards (layers.guard)
     report = build_report(model, sinks.rows, plan.ignored, what, device, dtype, plan.scheme,
                           plan.weight_numerics)
     report.cpu_quantizer = install_cpu_quantizer(model, dtype)
     add_experts(report, model, plan.experts.rows if plan.experts is not None else plan.adopted.experts.rows)
     report.skipped_tensors = sinks.skipped
+    report.notices = [n for n in (auto_map_notice(model_dir, raw),) if n] + source.notices + sinks.absurd
     report.files = [p.name for p in source.files]
     report.load_s = time.perf_counter() - start
     if at_start is not None:

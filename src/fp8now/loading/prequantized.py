@@ -44,8 +44,12 @@ def prequantized_config(model_dir: Path) -> dict | None:
         return None   # read_config reports these with its own clear error
     if not isinstance(raw, dict):
         return None
-    qc = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
-    return qc if isinstance(qc, dict) and qc else None
+    text = raw.get("text_config")
+    qc = raw.get("quantization_config") or (text.get("quantization_config") if isinstance(text, dict) else None)
+    if qc is not None and not isinstance(qc, dict):
+        raise ValueError(f"{path}: quantization_config is {qc!r} ({type(qc).__name__}); it must be an object "
+                         "(an FP8 checkpoint's quant_method and its fields) or absent; config.json is corrupt")
+    return qc or None
 
 
 def _plan_layers(model: nn.Module, headers: dict[str, tuple[Path, tuple, str]], info: Prequantized,

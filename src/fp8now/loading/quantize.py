@@ -13,6 +13,7 @@ from ..config import Fp8Config
 from ..hf.head import tie_embeddings
 from ..hf.modules import set_submodule
 from ..layers.cpu_quantizer import install as install_cpu_quantizer
+from ..layers.guard import install as install_guard
 from ..layers.embedding import Fp8Embedding
 from ..layers.linear import Fp8Linear
 from ..layers.moe import Fp8Experts
@@ -76,11 +77,13 @@ def quantize_(model: nn.Module, config: Fp8Config | None = None, *,
     del tensors
     tie_embeddings(model)
     share_inputs(model)
+    install_guard(model)   # reload_weights is atomic for this model's forwards (layers.guard)
     layers = [m for m in model.modules() if isinstance(m, (Fp8Linear, Fp8Experts)) and m.is_loaded]
     device = next((p.device for m in layers for p in m.parameters()), torch.device("cpu"))
     report = build_report(model, sinks.rows, plan.ignored, type(model).__name__, device, dtype, plan.scheme,
                           plan.weight_numerics)
     report.cpu_quantizer = install_cpu_quantizer(model, dtype)
     add_experts(report, model, plan.experts.rows)
+    report.notices = sinks.absurd
     report.load_s = time.perf_counter() - start
     return report

@@ -4,12 +4,14 @@ and the loaded model as its plan; the results are copied into the existing FP8 s
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
 
-from ..layers.finite import check_finite
+from ..layers.finite import FiniteCheck
+from ..layers.guard import guard_of
 from ..report import ReloadReport
 from .pipeline import route_tensors, stream_tensors
 from .plan import plan_loaded
@@ -37,8 +39,8 @@ def _applied(sinks: Sinks) -> str:
 
 
 def reload_weights(model: nn.Module,
-                   named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
-                   ) -> ReloadReport:
+                   named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], *,
+                   timeout: float | None = None) -> ReloadReport:
     """Replace some or all weights of a loaded model in place (SPEC §7, RL refit).
 
     Names are checkpoint / parameter names. An FP8 layer is re-quantized once its weight (and bias)
@@ -52,25 +54,76 @@ def reload_weights(model: nn.Module,
     own rules; an experts module is re-quantized once all of its experts arrived.
     A dict or list is all-or-nothing: names, shapes, dtypes and NaN/Inf of every tensor are checked
     before the first write. A streaming iterable is applied layer by layer, each layer whole or not
-    at all; its error lists exactly what was already applied. Unknown names raise.
+    at all; its error (whatever its type: a note on an OSError of the iterable) lists exactly what was
+    already applied, and forwards of the model then raise (`fp8now.guard`) until a reload completes.
+    Unknown names raise. Finite values beyond fp16's range are warned about (`report.warnings`).
+
+    Atomic for forwards (`fp8now.guard`): running forwards finish first (`timeout` seconds at most, None: no
+    limit, else TimeoutError with nothing applied), new ones wait until the call returns; two calls on one
+    model run one after the other.
     """
     start = time.perf_counter()
+    g = guard_of(model)
+    with g.writing(model, timeout):
+        report = _reload(model, named_tensors, g)
+    report.seconds = time.perf_counter() - start
+    for text in report.warnings:
+        warnings.warn(f"fp8now: {text}", stacklevel=2)
+    return report
+
+
+class _Watched:
+    """A streaming source's iterator that remembers whether it raised (then no write of ours was cut short)."""
+
+    def __init__(self, items: Iterable) -> None:
+        self._it = iter(items)
+        self.raised = False
+
+    def __iter__(self) -> _Watched:
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._it)
+        except StopIteration:
+            raise
+        except BaseException:
+            self.raised = True
+            raise
+
+
+def _reload(model: nn.Module, named_tensors, g) -> ReloadReport:
+    """reload_weights under the model's write lock; marks the guard torn when a failure left a mix."""
     plan = plan_loaded(model)
-    source = TensorSource(named_tensors, WHERE)
+    watched = None if isinstance(named_tensors, (Mapping, list, tuple)) else _Watched(named_tensors)
+    source = TensorSource(named_tensors if watched is None else watched, WHERE)
     refuse = _unknown(plan.slots)
     sinks = Sinks(plan, None, None, False, plain="copy", whole=True, checked=source.known, deferred=False)
     routed = None
     if source.known:   # all-or-nothing: every check before the first write
         routed = route_tensors(plan, source, refuse)
+        check = FiniteCheck()
+        for key, t, d in routed:   # FP8 weights' magnitudes come from their new scales (sinks)
+            check.add(t, f"tensor {key!r}", warn=d.kind in ("param", "buffer") or key.endswith("bias"))
         try:
             plan.experts.check_merges(source.tensors(), WHERE)
-            check_finite([(t, f"tensor {key!r}") for key, t in source.items])
+            sinks.absurd += check.raise_if_bad()
         except ValueError as e:
             raise ValueError(f"{WHERE}: {e}; nothing of this call was applied") from None
     try:
         stream_tensors(plan, source, sinks, refuse, routed)
-    except (ValueError, TypeError) as e:
-        raise type(e)(f"{e}; {_applied(sinks)}") from None
+    except BaseException as e:
+        applied = _applied(sinks)
+        cut = not isinstance(e, (ValueError, TypeError)) and not (watched is not None and watched.raised)
+        if sinks.updated or sinks.copied or cut:   # a mix of old and new weights: forwards refuse it
+            first = (str(e).splitlines() or [""])[0]
+            g.set_torn(f"reload_weights failed ({type(e).__name__}: {first}) part-way; {applied}"
+                       + ("; the layer it was writing may be incomplete" if cut else ""))
+        if isinstance(e, (ValueError, TypeError)):
+            raise type(e)(f"{e}; {applied}") from None
+        e.add_note(f"{WHERE}: {applied}" + ("; forwards of the model now raise until a reload_weights completes"
+                                            if g.torn else ""))
+        raise
     report = ReloadReport(updated_layers=sinks.updated, copied=sinks.copied,
                           skipped=[key for key, _ in sinks.skipped])
     for layer_name, parts in sinks.pending.items():
@@ -78,5 +131,6 @@ def reload_weights(model: nn.Module,
         needed = ("weight", "bias") if layer.bias is not None else ("weight",)
         report.partial.append((layer_name, [f"{layer_name}.{leaf}" for leaf in needed if leaf not in parts]))
     report.partial += [(name, plan.experts.missing(name)) for name in plan.experts.pending]
-    report.seconds = time.perf_counter() - start
+    report.warnings = sinks.absurd + sinks.finite.raise_if_bad()
+    g.set_torn(None)
     return report

@@ -10,7 +10,7 @@ import ctypes
 import torch
 from torch import nn
 
-from ..layers.finite import FiniteCheck, check_finite
+from ..layers.finite import FiniteCheck, check_finite, scale_peak
 from ..layers.linear import Fp8Linear
 from .route import Dest
 from .rows import Pending, embedding_row, layer_row, resolve
@@ -64,6 +64,7 @@ class Sinks:
         self.skipped: list[tuple[str, str]] = []   # (key, why) read but not used
         self.updated: list[str] = []               # FP8 layers and experts written, in order
         self.copied: list[str] = []                # plain tensors written
+        self.absurd: list[str] = []                # warnings: finite values beyond layers.finite.ABSURD
         self.pending: dict[str, dict[str, tuple[torch.Tensor, str, str]]] = {}   # FP8 layer -> leaf -> parts
         self.figures: list[Pending] = []           # rows whose error figures wait for their sums (one sync)
         self._since_trim = 0
@@ -88,6 +89,11 @@ class Sinks:
         else:
             self._plain(self.plan.slots[d.name], d.name, key, t, where)
 
+    @property
+    def _flush_rows(self) -> bool:
+        """Report rows measure each FP8 layer's flushed weights, whose warning already flags an outlier."""
+        return self.measure and self.plain != "copy"
+
     def _check(self, t: torch.Tensor, what: str) -> None:
         """NaN/Inf of a tensor stored as it is: at the end of the run, now, or not again (`checked`)."""
         if self.checked:
@@ -95,30 +101,33 @@ class Sinks:
         if self.deferred:
             self.finite.add(t, what)
         else:
-            check_finite([(t, what)])
+            self.absurd += check_finite([(t, what)])
 
     def _dense(self, slot: Slot, key: str, t: torch.Tensor, where: str) -> None:
         layer = slot.owner
         assert isinstance(layer, Fp8Linear)
-        if slot.leaf == "bias" and not self.checked and not self.deferred:   # a stream: refused as it arrives
-            check_finite([(t, f"{where}: tensor {key!r}")])
         parts = self.pending.setdefault(layer.name, {})
         parts[slot.leaf] = (t, where, key)
+        if slot.leaf == "bias" and not self.checked and not self.deferred:   # a stream: refused as it arrives
+            self.absurd += check_finite([(t, f"{where}: tensor {key!r}")])
         if "weight" not in parts or (layer.bias is not None and "bias" not in parts):
             return
         parts = self.pending.pop(layer.name)
         w, wwhere, wkey = parts.pop("weight")
         if self.device is not None:
             w = w.to(self.device)
+        # On a GPU a load checks NaN/Inf of every weight with one host sync at its end, not one per layer.
+        later = not self.checked and self.deferred and w.device.type == "cuda"
         b = None
         if "bias" in parts:
             b, bwhere, bkey = parts.pop("bias")
             b = b.to(device=self.device or w.device)
-            self._check(b, f"{bwhere}: tensor {bkey!r}")
-        # On a GPU a load checks NaN/Inf of every weight with one host sync at its end, not one per layer.
-        later = not self.checked and self.deferred and w.device.type == "cuda"
+            if later:
+                self.finite.add(b, f"{bwhere}: tensor {bkey!r}")
+            elif not self.checked and self.deferred:   # now, naming its file and key, before load_ writes
+                self.absurd += check_finite([(b, f"{bwhere}: tensor {bkey!r}")])
         if later:
-            self.finite.add(w, f"{wwhere}: tensor {wkey!r}")
+            self.finite.add(w, f"{wwhere}: tensor {wkey!r}", warn=not self._flush_rows)
         tp = self.plan.tp
         try:
             if tp is None:
@@ -129,6 +138,8 @@ class Sinks:
                 tp.load_layer(layer, w, b)
         except ValueError as e:
             raise ValueError(f"{wwhere}: tensor {wkey!r}: {e}") from None
+        if not later and not self._flush_rows:   # magnitude from its scales (`later`: from the whole weight)
+            self.finite.add_peak(scale_peak(layer.weight_scale), f"{wwhere}: tensor {wkey!r}")
         self.updated.append(layer.name)
         if self.plain != "copy":
             self.rows.append(layer_row(layer, w if self.measure else None, self.figures))
@@ -157,6 +168,7 @@ class Sinks:
                            self.figures if self.measure and self.plain != "copy" else None):
                 self.updated.append(layer.name)
                 self._freed(2 * (layer.w13.numel() + layer.w2.numel()), layer.w13.device)
+                self.finite.add_peak(scale_peak(layer.w13_scale, layer.w2_scale), f"{where}: experts {layer.name}")
 
     def _embedding(self, layer, key: str, t: torch.Tensor, where: str) -> None:
         """An Fp8Embedding's table: quantized per row as it arrives (NaN/Inf raise before anything is written)."""
@@ -166,6 +178,8 @@ class Sinks:
                 layer.load_(w)
         except ValueError as e:
             raise ValueError(f"{where}: tensor {key!r}: {e}") from None
+        if not self._flush_rows:
+            self.finite.add_peak(scale_peak(layer.weight_scale), f"{where}: tensor {key!r}")
         self.updated.append(layer.name)
         if self.plain != "copy":
             self.rows.append(embedding_row(layer, w if self.measure else None, self.figures))
@@ -194,7 +208,7 @@ class Sinks:
         left = self.unfinished()
         if left:   # cannot happen after route_files; a guard against silent partial loads
             raise RuntimeError(f"layers left incomplete after reading every file: {', '.join(left)}")
-        self.finite.raise_if_bad()
+        self.absurd += self.finite.raise_if_bad()
         resolve(self.figures)
         if self.plain == "store":
             trim_heap()

@@ -37,6 +37,9 @@ def header_of(key: str, t: torch.Tensor, where: str) -> Header:
     """The header of an in-memory tensor; a non-tensor value is refused naming its key."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{where}: {key!r} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_meta:
+        raise ValueError(f"{where}: {key!r} is on the meta device (a shape without values); pass tensors that "
+                         "hold the new weights")
     return Header(key, tuple(t.shape), _ST_NAME.get(t.dtype, str(t.dtype)), where)
 
 
@@ -50,6 +53,7 @@ class FileSource:
         self.rename = rename
         self._headers: list[Header] | None = None
         self.reader: Reader | None = None   # the last read's reader (its peak bytes in flight)
+        self.notices: list[str] = []        # what check_index found odd but harmless (the load report's)
 
     def headers(self) -> list[Header]:
         """Every tensor of every file, in file order (headers only: no data is read)."""
@@ -59,14 +63,22 @@ class FileSource:
         return self._headers
 
     def check_index(self) -> None:
-        """Every tensor the index lists is in the file it names."""
+        """Every tensor the index lists is in the file it names; a tensor of its shards that it does not list is
+        loaded all the same (as transformers and vLLM do) and noted in `self.notices`."""
         in_file: dict[str, set[str]] = {}
         for h in self.headers():
             in_file.setdefault(Path(h.where).name, set()).add(h.key)
-        for key, fname in (index_map(self.model_dir) or {}).items():
+        listed = index_map(self.model_dir) or {}
+        for key, fname in listed.items():
             if key not in in_file.get(fname, ()):
                 raise ValueError(f"{self.model_dir / 'model.safetensors.index.json'} lists {key!r} in {fname}, "
                                  "which does not contain it; re-download the checkpoint")
+        omitted = [f"{key!r} in {fname}" for fname, keys in in_file.items() for key in sorted(keys)
+                   if listed and key not in listed]
+        if omitted:
+            self.notices.append(f"{self.model_dir / 'model.safetensors.index.json'} does not list {len(omitted)} "
+                                f"tensor(s) its shards hold, e.g. {', '.join(omitted[:3])}; they were loaded (as "
+                                "transformers and vLLM load every tensor of a shard): regenerate the index")
 
     def read(self, wanted: dict[str, dict[str, str]], device: torch.device, tp=None
              ) -> Iterator[tuple[str, torch.Tensor | None, str]]:
