@@ -113,3 +113,21 @@ class NonFiniteExperts(ValueError):
     def __init__(self, message: str, where: list[tuple[str, int, int]]) -> None:
         super().__init__(message)
         self.where = where
+
+
+# What each experts leaf holds, for error messages; w13 leaves are checked as two parts: gate rows, up rows.
+LEAF_TEXT = {"w13": "gate_up weight", "w2": "down weight", "w13_bias": "gate_up bias", "w2_bias": "down bias"}
+
+
+def check_experts_finite(name: str, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None,
+                         b2: torch.Tensor | None) -> None:
+    """Raise NonFiniteExperts naming the first expert of layer `name` (and its gate or up rows) that holds NaN
+    or Inf in the stacked experts tensors given."""
+    given = {"w13": w13, "w2": w2, "w13_bias": b13, "w2_bias": b2}
+    bad = nonfinite_slices({k: t for k, t in given.items() if t is not None}, {"w13": 2, "w13_bias": 2})
+    if bad:
+        text = [f"expert {x}'s {LEAF_TEXT[leaf]}" + (f" ({('gate', 'up')[p]} half)" if leaf.startswith("w13")
+                                                      else "") for leaf, x, p in bad]
+        more = f" (and {len(bad) - 1} more: {', '.join(text[1:4])})" if len(bad) > 1 else ""
+        raise NonFiniteExperts(f"{name}: {text[0]} contains NaN or Inf{more}; nothing was written (fix or "
+                               "re-export the weights)", bad)

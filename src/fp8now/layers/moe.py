@@ -14,7 +14,7 @@ from torch import nn
 
 from ..config import Fp8Config, Scheme
 from .decode_graphs import DecodeGraphs
-from .finite import NonFiniteExperts, nonfinite_slices
+from .finite import check_experts_finite
 from . import moe_cpu
 from ..kernels import cpu, cpu_wquant, quantize_weight
 from ..kernels.reference import exact_matmul
@@ -25,8 +25,6 @@ from ..numerics import E4M3FN, quantize_activation
 # Gated activations by name: "glu" is act(gate) * up (act = the family's act_fn); "clamped_swiglu" is
 # GPT-OSS's (gate clamped above, up clamped both ways, gate * sigmoid(alpha * gate) * (up + 1)).
 GATES = ("glu", "clamped_swiglu")
-# What each leaf holds, for error messages; w13 leaves are checked as two parts: gate rows, up rows.
-LEAF_TEXT = {"w13": "gate_up weight", "w2": "down weight", "w13_bias": "gate_up bias", "w2_bias": "down bias"}
 
 
 def _round_up(n: int, to: int) -> int:
@@ -152,7 +150,7 @@ class Fp8Experts(nn.Module):
             check_float_weight(b13, f"{self.name}.w13_bias", (e, 2 * i))
             check_float_weight(b2, f"{self.name}.w2_bias", (e, h))
         if not checked:
-            self._check_finite(w13, w2, b13, b2)
+            check_experts_finite(self.name or "experts", w13, w2, b13, b2)
         device = w13.device if self.w13.is_meta else self.w13.device
         p13, p2 = self.padded(w13.to(device), w2.to(device))
         # On a CPU, one pass per expert gives the bytes, the scales and the cpu backend's working copy.
@@ -212,18 +210,6 @@ class Fp8Experts(nn.Module):
             moe_cpu.prepare(self, works)
         else:
             moe_cpu.release(self)
-
-    def _check_finite(self, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None,
-                      b2: torch.Tensor | None) -> None:
-        """Raise NonFiniteExperts naming the first expert (and gate or up rows) that holds NaN or Inf."""
-        given = {"w13": w13, "w2": w2, "w13_bias": b13, "w2_bias": b2}
-        bad = nonfinite_slices({k: t for k, t in given.items() if t is not None}, {"w13": 2, "w13_bias": 2})
-        if bad:
-            text = [f"expert {x}'s {LEAF_TEXT[leaf]}" + (f" ({('gate', 'up')[p]} half)" if leaf.startswith("w13")
-                                                          else "") for leaf, x, p in bad]
-            more = f" (and {len(bad) - 1} more: {', '.join(text[1:4])})" if len(bad) > 1 else ""
-            raise NonFiniteExperts(f"{self.name or 'experts'}: {text[0]} contains NaN or Inf{more}; nothing "
-                                   "was written (fix or re-export the weights)", bad)
 
     def expert_weight(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Expert e's stored (w13 [2Ip, Hp], w13_scale, w2 [Hp, Ip], w2_scale)."""
