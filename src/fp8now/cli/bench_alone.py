@@ -38,12 +38,14 @@ def evict(folder: Path) -> None:
             os.close(fd)
 
 
-def _rss() -> int:
-    """The resident set of this process now (Linux), else 0."""
+def _status(field: str) -> int:
+    """A size field of /proc/self/status in bytes (Linux), else 0: VmRSS now, VmHWM its peak. VmHWM belongs to
+    this process image (ru_maxrss would carry over the parent's peak through fork and exec)."""
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
+        with open("/proc/self/status") as f:
+            line = next(x for x in f if x.startswith(field + ":"))
+        return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError, StopIteration):
         return 0
 
 
@@ -95,6 +97,8 @@ def reload_row(model, folder: Path, device: torch.device, reps: int = 3) -> dict
 
 def run_alone(loader: Loader, folder: Path, device: torch.device, cold: bool, reload: bool) -> list[dict]:
     """In this (fresh) process: the load row of `loader`, and its reload row when asked."""
+    if device.type == "cuda":   # the CUDA context, untimed for every implementation
+        torch.zeros(1, device=device).sum().item()
     if hasattr(loader, "warm"):
         loader.warm(folder, device)
     if cold:
@@ -104,7 +108,7 @@ def run_alone(loader: Loader, folder: Path, device: torch.device, cold: bool, re
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    base = _rss()
+    base = _status("VmRSS")
     t0 = time.perf_counter()
     model, _ = loader(folder, device)
     if device.type == "cuda":
@@ -112,13 +116,11 @@ def run_alone(loader: Loader, folder: Path, device: torch.device, cold: bool, re
     else:   # a CPU load may leave weights mapped from the files: one pass reads every byte, as a first forward would
         _touch(model)
     seconds = time.perf_counter() - t0
-    import resource
-
     nbytes = checkpoint_bytes(folder)
     rows = [{"phase": "load", "cold": cold, "seconds": seconds, "gb_per_s": nbytes / seconds / GB,
              "checkpoint_gb": nbytes / GB, "resident_gb": resident_bytes(model) / GB,
              "peak_gb": torch.cuda.max_memory_allocated(device) / GB if device.type == "cuda" else None,
-             "host_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB,
+             "host_peak_gb": _status("VmHWM") / GB,
              "host_before_gb": base / GB}]
     if reload:
         rows.append(reload_row(model, folder, device))

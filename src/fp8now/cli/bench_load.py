@@ -23,10 +23,20 @@ def bf16_loader(folder: Path, device: torch.device) -> tuple[nn.Module, None]:
     return load_bf16(folder, device), None
 
 
+def _bf16_warm(folder: Path, device: torch.device) -> None:
+    """Import the model's transformers class (built on the meta device), untimed, as fp8now's warm does."""
+    from ..hf.skeleton import build_skeleton
+
+    build_skeleton(folder, torch.bfloat16)
+
+
+bf16_loader.warm = _bf16_warm
+
+
 def fp8now_loader(scheme: str, fast_accum: bool = False, head: bool = False, embedding: bool = False,
                   weight_numerics: str = "spec") -> Loader:
-    """fp8now.load of the folder with `scheme` and those Fp8Config fields (no per-layer error measurement:
-    it is not part of a load); its `warm` compiles the weight quantizer for the model's weight shapes
+    """fp8now.load of the folder with `scheme` and those Fp8Config fields, with load's defaults (the report's
+    per-layer error figures included); its `warm` compiles the weight quantizer for the model's weight shapes
     first, untimed."""
     config = Fp8Config(scheme=scheme, fast_accum=fast_accum, head=head, embedding=embedding,
                        weight_numerics=weight_numerics)
@@ -34,7 +44,7 @@ def fp8now_loader(scheme: str, fast_accum: bool = False, head: bool = False, emb
     def load(folder: Path, device: torch.device):
         from ..loading.load import load as fp8_load
 
-        return fp8_load(folder, config, device=device, measure_error=False)
+        return fp8_load(folder, config, device=device)
 
     def warm(folder: Path, device: torch.device) -> None:
         """Quantize one random weight of each shape the load quantizes (linears, one expert's matrices):

@@ -247,8 +247,10 @@ class MoePath:
 
 
 def moe_plan(scheme: Scheme, tokens: int, top_k: int, experts: int, device_class: str = "cuda-fp8",
-             batch_invariant: bool = False, table: MoeTable | None = None) -> MoePath:
-    """The grouped-GEMM path of one experts call on `tokens` tokens routed to `top_k` of `experts`."""
+             batch_invariant: bool = False, table: MoeTable | None = None, compiling: bool = False) -> MoePath:
+    """The grouped-GEMM path of one experts call on `tokens` tokens routed to `top_k` of `experts`.
+    `compiling` (torch.compile tracing the call): the sorted path only (Inductor 2.11's functionalization of
+    Triton launches, decompose_triton_kernel_wrapper_functional, fails on the direct kernels: AssertionError)."""
     scheme = Scheme.parse(scheme)
     table = table or MOE_TABLES.get(device_class, MoeTable())
     act = "group" if scheme is Scheme.BLOCK else "token"
@@ -258,7 +260,7 @@ def moe_plan(scheme: Scheme, tokens: int, top_k: int, experts: int, device_class
         return MoePath(scheme, act, *table.invariant, invariant=True, align=align)
     per_expert = slots / max(experts, 1)
     bound, *config = next(r for r in table.rows if r[0] is None or per_expert <= r[0])
-    if slots <= table.direct_max_slots:
+    if slots <= table.direct_max_slots and not compiling:
         return MoePath(scheme, act, *config, align="none", kernel="direct")
     return MoePath(scheme, act, *config, align=align)
 

@@ -8,6 +8,7 @@ import math
 import torch
 
 from ..config import WEIGHT_GROUP, Scheme
+from ..kernels import device_class
 from ..numerics import dequantize
 
 _STATS_CHUNK_BYTES = 4 << 20      # float64 bytes per chunk when measuring the weight error on a CPU
@@ -35,14 +36,27 @@ def _group_counts(mask: torch.Tensor, scheme: Scheme) -> torch.Tensor:
     return m.reshape(m.shape[0] // 128, 128, m.shape[1] // 128, 128).sum((1, 3)).flatten()
 
 
+def _one_pass(w: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether the Triton pass (kernels.triton_error) measures this weight: an FP8 GPU with Triton."""
+    if w.device.type != "cuda" or device_class(w.device) != "cuda-fp8" or w.stride(-1) != 1 or q.stride(-1) != 1:
+        return False
+    from ..kernels import triton_quant   # Triton is imported for GPUs only
+    return triton_quant.available(w.device) is None
+
+
 def error_stats(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: Scheme,
                 chunk_bytes: int | None = None) -> torch.Tensor:
     """float64 [7] on w's device (stacked experts `[E, N, K]`: [E, 7]), no host sync: |a|², |b|², <a,b>,
     |a-b|², flushed, nonzero, worst group fraction of `dequantize(q, scale)` (b) against `w` (a) `[N, K]`.
-    Sums in float64 (float32 squares overflow past 1.8e19), in row chunks (~4 MiB on a CPU, where they stay
-    in cache; 256 MiB on a GPU, where each chunk is a few launches) so the temporaries stay bounded."""
+    Sums in float64 (float32 squares overflow past 1.8e19). On an FP8 GPU one Triton pass reads w and q
+    once (kernels.triton_error, no temporaries); elsewhere (or with `chunk_bytes`) torch ops in row chunks
+    (~4 MiB on a CPU, where they stay in cache; 256 MiB on a GPU) so the temporaries stay bounded."""
     if w.dim() == 3:
         return torch.stack([error_stats(w[e], q[e], scale[e], scheme, chunk_bytes) for e in range(w.shape[0])])
+    if chunk_bytes is None and _one_pass(w, q):
+        from ..kernels import triton_error
+
+        return triton_error.error_stats(w, q, scale, scheme)
     rows, cols = w.shape
     group = WEIGHT_GROUP[scheme]
     align = 128 if scheme is Scheme.BLOCK else 1

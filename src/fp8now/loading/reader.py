@@ -24,10 +24,12 @@ import torch
 
 from .files import ST_DTYPES, corrupt_error
 
-CHUNK_BYTES = 32 << 20        # one read (and one host-to-device copy) at most
+# One read (and one host-to-device copy) at most, per device type.
+CHUNK = {"cpu": 32 << 20, "cuda": 8 << 20}
 # Bytes read ahead of the consumer (at least one tensor, whatever its size): a CPU load holds them in host memory
-# beside the layer it quantizes, a GPU load on the device (its pinned staging is as large).
-IN_FLIGHT = {"cpu": 16 << 20, "cuda": 512 << 20}
+# beside the layer it quantizes, a GPU load on the device (its pinned staging is as large, IN_FLIGHT / CHUNK
+# reads at once).
+IN_FLIGHT = {"cpu": 16 << 20, "cuda": 64 << 20}
 
 
 @dataclass(frozen=True)
@@ -82,10 +84,12 @@ class Reader:
     filled through pinned staging chunks (as many bytes as `in_flight`)."""
 
     def __init__(self, device: torch.device, threads: int | None = None, in_flight: int | None = None,
-                 chunk: int = CHUNK_BYTES) -> None:
+                 chunk: int | None = None) -> None:
         self.device = torch.device(device)
         self.threads = threads or (min(8, os.cpu_count() or 2) if self.device.type == "cuda" else 1)
-        in_flight = IN_FLIGHT.get(self.device.type, IN_FLIGHT["cpu"]) if in_flight is None else in_flight
+        kind = self.device.type if self.device.type in IN_FLIGHT else "cpu"
+        in_flight = IN_FLIGHT[kind] if in_flight is None else in_flight
+        chunk = CHUNK[kind] if chunk is None else chunk
         self.in_flight, self.chunk = max(in_flight, chunk), chunk
         self.cuda = self.device.type == "cuda"
         self.peak_in_flight = 0   # the most host bytes held at once (what the bound is tested against)

@@ -1,0 +1,91 @@
+"""The one-pass Triton weight-error sums (kernels/triton_error.py) against independent float64 sums on the CPU.
+
+The reference here is written from the definitions (numpy-free torch float64 on the CPU, whole tensors): the
+seven figures the load report is built from. On a GPU the kernel runs there; without one, in Triton's
+interpreter on tiny shapes. The FP8 bytes and scales come from `numerics.quantize_weight` (the SPEC's), with
+zeros, negative zeros and values that flush to zero planted in the weight.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from fp8now import numerics  # noqa: E402
+from fp8now.config import Scheme  # noqa: E402
+from fp8now.kernels import triton_error, triton_quant  # noqa: E402
+from fp8now.layers import weight_error  # noqa: E402
+
+pytestmark = pytest.mark.triton
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if triton_quant.available(DEVICE) is not None:
+    pytest.skip(f"Triton unavailable: {triton_quant.available(DEVICE)}", allow_module_level=True)
+
+
+def reference(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, scheme: Scheme) -> list[float]:
+    """The seven sums from their definitions, float64 on the CPU."""
+    a = w.cpu().double()
+    qd = q.cpu().double()
+    n, k = a.shape
+    if scheme is Scheme.BLOCK:   # numerics.dequantize: q x scale in float32
+        full = s.cpu().float().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+        b = (q.cpu().float() * full).double()
+    else:
+        b = qd * s.cpu().double().reshape(-1, 1) if scheme is Scheme.CHANNEL else qd * s.cpu().double().reshape(())
+    nonzero = a != 0
+    flushed = nonzero & (qd == 0)
+    if scheme is Scheme.CHANNEL:
+        groups = [(flushed[r], nonzero[r]) for r in range(n)]
+    elif scheme is Scheme.BLOCK:
+        groups = [(flushed[i:i + 128, j:j + 128], nonzero[i:i + 128, j:j + 128])
+                  for i in range(0, n, 128) for j in range(0, k, 128)]
+    else:
+        groups = [(flushed, nonzero)]
+    worst = max(int(f.sum()) / max(int(z.sum()), 1) for f, z in groups)
+    return [float((a * a).sum()), float((b * b).sum()), float((a * b).sum()), float(((b - a) ** 2).sum()),
+            float(flushed.sum()), float(nonzero.sum()), worst]
+
+
+def planted(n: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random weights with exact zeros, negative zeros and tiny values that FP8 flushes to zero."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    pick = torch.rand(n, k, generator=g)
+    w[pick < 0.05] = 0.0
+    w[(pick >= 0.05) & (pick < 0.08)] = -0.0
+    w[(pick >= 0.08) & (pick < 0.15)] *= 1e-6          # below the smallest FP8 step of most groups
+    w[: max(1, n // 5)] *= 1e3                         # a row band (and block tiles) with a larger scale
+    return w.to(dtype)
+
+
+SHAPES = [(5, 40), (130, 260), (256, 129)] if DEVICE.type == "cpu" else [(5, 40), (130, 260), (4096, 1000),
+                                                                          (1024, 4096)]
+
+
+@pytest.mark.parametrize("scheme", list(Scheme))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_one_pass_sums_equal_their_definitions(scheme, dtype, shape):
+    w = planted(*shape, dtype, seed=hash((scheme.value, str(dtype), shape)) % 1000)
+    q, s = numerics.quantize_weight(w, scheme)
+    got = triton_error.error_stats(w.to(DEVICE), q.to(DEVICE), s.to(DEVICE), scheme).cpu().tolist()
+    want = reference(w, q, s, scheme)
+    for i, (g, r) in enumerate(zip(got, want)):
+        assert g == pytest.approx(r, rel=1e-9, abs=1e-300), (i, got, want)
+    assert want[4] > 0 and 0 < want[6] <= 1   # the planted values did flush
+
+
+@pytest.mark.gpu   # the dispatch to the Triton pass happens on FP8 GPUs
+@pytest.mark.parametrize("scheme", list(Scheme))
+def test_a_gpu_load_measures_with_the_pass_and_the_figures_match_the_torch_chunks(scheme):
+    w = planted(512, 384, torch.bfloat16, seed=3).to(DEVICE)
+    q, s = numerics.quantize_weight(w, scheme)
+    one = weight_error.error_stats(w, q, s, scheme)                     # the Triton pass
+    chunked = weight_error.error_stats(w, q, s, scheme, chunk_bytes=1 << 16)   # torch ops in chunks
+    assert torch.allclose(one, chunked, rtol=1e-9, atol=0)
