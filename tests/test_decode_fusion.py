@@ -18,7 +18,7 @@ from fp8now import numerics as nu  # noqa: E402  (conftest chose the interpreter
 from fp8now.config import Scheme  # noqa: E402
 from fp8now.kernels import triton_decode as td, triton_fp8, triton_gemv as tv, triton_jit as tj  # noqa: E402
 from fp8now.kernels import triton_quant as tq  # noqa: E402
-from fp8now.kernels.plan import Table, Weights, plan  # noqa: E402
+from fp8now.kernels.plan import QUANT_INSIDE, Table, Weights, plan  # noqa: E402
 from fp8now.kernels.triton_norm import rms_norm  # noqa: E402
 from fp8now.kernels.triton_silu_mul import silu_mul  # noqa: E402
 from fp8_oracle import exact_product, group_scale, varied  # noqa: E402
@@ -114,7 +114,8 @@ def test_triton_backend_plans_no_quantizer_launch_at_decode_sizes(scheme, m, n):
     k = 256 if n > 1024 else 1024
     x, w_q, w_s, b = operands(m, n, k, scheme, seed=7 * m + n)
     act = ACT[scheme]
-    fused = plan("triton", Scheme(scheme), act, m, n, k, "cuda-fp8", table=Table(tensorwise_m1=False))
+    fused = plan("triton", Scheme(scheme), act, m, n, k, "cuda-fp8", table=Table(tensorwise_m1=False,
+                                                                                  quant_inside=QUANT_INSIDE))
     apart = plan("triton", Scheme(scheme), act, m, n, k, "cuda-fp8", table=Table(tensorwise_m1=False,
                                                                                   quant_inside=()))
     inside_expected = m == 1 or act == "token" or 4096 <= n <= 8192

@@ -11,7 +11,7 @@ import torch
 import fp8now
 from fp8now import Fp8Config, Fp8Linear
 from fp8now.cli.bench_decode import captured, decode_step
-from fp8now.kernels.plan import PRODUCERS, Table
+from fp8now.kernels.plan import PRODUCERS, QUANT_INSIDE, Table
 from fp8now.layers.producers import FusedGatedMLP, FusedRMSNorm
 from tiny import write_tiny_checkpoint
 
@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                    reason="needs a CUDA GPU (run through the device tool)")]
 SIZES = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
              num_hidden_layers=2, vocab_size=512)
-ON = Table(producer_kernels=PRODUCERS)    # the default table keeps them off until measured
-OFF = Table(producer_kernels=PRODUCERS, producer_quant=())
+ON = Table(producer_kernels=PRODUCERS, quant_inside=QUANT_INSIDE)   # the default table keeps them off
+OFF = Table(producer_kernels=PRODUCERS, producer_quant=(), quant_inside=QUANT_INSIDE)
 
 
 @pytest.fixture(scope="module")

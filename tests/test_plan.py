@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fp8now import Fp8Config, Fp8Linear, Scheme
-from fp8now.kernels.plan import PRODUCERS, TABLES, Table, plan
+from fp8now.kernels.plan import PRODUCERS, QUANT_INSIDE, TABLES, Table, plan
 
 ACT = {Scheme.TENSOR: "token", Scheme.CHANNEL: "token", Scheme.BLOCK: "group"}
 MS = [1, 2, 3, 4, 5, 8, 16, 17, 32, 33, 64, 65, 256, 4096]
@@ -50,7 +50,7 @@ def expected(scheme: Scheme, m: int, n: int, k: int, invariant: bool, compiling:
 
 @pytest.mark.parametrize("inside", [True, False])
 def test_triton_plan_follows_the_rules_over_the_grid(inside):
-    table = Table() if inside else Table(quant_inside=())
+    table = Table(quant_inside=QUANT_INSIDE) if inside else Table()
     for scheme, m, n, k, invariant, compiling in itertools.product(Scheme, MS, NS, KS, (False, True), (False, True)):
         path = plan("triton", scheme, ACT[scheme], m, n, k, "cuda-fp8", invariant, compiling, table)
         got = (path.quant, path.gemm, dict(path.config), path.pdl)
@@ -106,12 +106,14 @@ def test_a_custom_table_changes_the_choice():
     assert plan(*args, 1, 4096, 4096, "cuda-fp8", table=Table(gemv=())).gemm == "triton-decode-exchange"
     assert plan(*args, 4, 1024, 4096, "cuda-fp8", table=Table(quant_inside=())).pdl
     assert not plan(*args, 4, 1024, 4096, "cuda-fp8", table=Table(pdl_max_m=2, quant_inside=())).pdl
-    assert plan(*args, 1, 4096, 4096, "cuda-fp8").quant == "fused"
+    assert plan(*args, 1, 4096, 4096, "cuda-fp8").quant == "triton"   # by default no GEMM quantizes inside
+    assert plan(*args, 1, 4096, 4096, "cuda-fp8", table=Table(quant_inside=QUANT_INSIDE)).quant == "fused"
     assert plan(*args, 1, 4096, 4096, "cuda-fp8", table=Table(quant_inside=(("triton-decode", 16),))).quant == "triton"
     assert plan(*args, 8, 4096, 4096, "cuda-fp8", table=Table(quant_inside=(("triton-decode-exchange", 4),))).name \
         == "triton-token + triton-decode-exchange (SPLIT_K=2, num_stages=6)"
     assert plan(*args, 8, 4096, 4096, "cuda-fp8", table=Table(few_splits_n=(1, 0))).config == ()
-    assert plan(*args, 8, 4096, 4096, "cuda-fp8", compiling=True, table=Table(compiled_quant=())).quant == "fused"
+    assert plan(*args, 8, 4096, 4096, "cuda-fp8", compiling=True,
+                table=Table(compiled_quant=(), quant_inside=QUANT_INSIDE)).quant == "fused"
     assert plan(*args, 8, 4096, 4096, "cuda-fp8", compiling=True,
                 table=Table(compiled_quant=(), quant_inside=())).quant == "triton"
     block = ("triton", Scheme.BLOCK, "group")

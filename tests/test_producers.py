@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 import fp8now  # noqa: E402
 from fp8now import Fp8Config, Fp8Linear  # noqa: E402
 from fp8now.kernels import triton_fp8, triton_jit  # noqa: E402
-from fp8now.kernels.plan import PRODUCERS, Table  # noqa: E402
+from fp8now.kernels.plan import PRODUCERS, QUANT_INSIDE, Table  # noqa: E402
 from fp8now.layers.producers import FusedGatedMLP, FusedRMSNorm, install  # noqa: E402
 from tiny import write_tiny_checkpoint  # noqa: E402
 
@@ -29,8 +29,9 @@ pytestmark = [pytest.mark.triton,
 # 1 key/value head, 2 layers
 SIZES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
 H = SIZES["hidden_size"]
-ON = Table(producer_kernels=PRODUCERS)    # the default table keeps them off until measured on a GPU
-OFF = Table(producer_kernels=PRODUCERS, producer_quant=())
+# the default table keeps the producers and the GEMMs quantizing inside off (slower on the H100 so far)
+ON = Table(producer_kernels=PRODUCERS, quant_inside=QUANT_INSIDE)
+OFF = Table(producer_kernels=PRODUCERS, producer_quant=(), quant_inside=QUANT_INSIDE)
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +108,10 @@ def test_the_producer_plans_quantize_nowhere_but_in_kernels(checkpoints, monkeyp
     producers run transformers' own norm and product (`Table(producer_kernels=())`, the default table)."""
     on, _ = load(checkpoints["llama"])
     off, _ = load(checkpoints["llama"], table=OFF)
-    plain, report = load(checkpoints["llama"], table=Table(producer_kernels=()))
-    assert report.layers[0].plan["1"] == "fused-token + triton-gemv"     # the default: GEMMs quantize inside
+    plain, report = load(checkpoints["llama"], table=Table(quant_inside=QUANT_INSIDE))
+    assert report.layers[0].plan["1"] == "triton-token + triton-gemv (pdl)"   # the load's default table
+    q_proj = plain.get_submodule("model.layers.0.self_attn.q_proj")
+    assert q_proj.path(1).name == "fused-token + triton-gemv"             # GEMMs quantizing inside
     plans = {name: {str(m): layer.path(m).name for m in (1, 16)}
              for name, layer in on.named_modules() if isinstance(layer, Fp8Linear)}
     assert plans["model.layers.0.self_attn.q_proj"]["1"] == "rmsnorm-token + triton-gemv"

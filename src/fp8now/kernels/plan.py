@@ -24,6 +24,11 @@ WIDE = 1 << 62      # an open upper end of an N range
 PRODUCERS = ("rmsnorm", "silu-mul")   # ops whose kernel can quantize the input of the linears after them
 
 
+# Every GEMM that can quantize its own bf16 input, with its largest M (for Table.quant_inside).
+QUANT_INSIDE = (("triton-gemv", GEMV_MAX_M), ("triton-decode", DECODE_MAX_M),
+                ("triton-decode-exchange", DECODE_MAX_M))
+
+
 @dataclass(frozen=True)
 class Table:
     """The per-call thresholds of the triton backend (ranges of N are inclusive)."""
@@ -46,10 +51,11 @@ class Table:
     # under torch.compile, these kinds quantize with torch ops that inductor fuses into the producer
     # (1x128 groups: inductor splits them into passes that recompute the producer, so not "group")
     compiled_quant: tuple[str, ...] = ("token",)
-    # GEMMs that quantize their own bf16 input, no quantizer launch: (GEMM, up to M) rows. The GEMV and
-    # the decode kernel recompute the row amax over K in every program (the rows sit in L2).
-    quant_inside: tuple[tuple[str, int], ...] = (
-        ("triton-gemv", GEMV_MAX_M), ("triton-decode", DECODE_MAX_M), ("triton-decode-exchange", DECODE_MAX_M))
+    # GEMMs that quantize their own bf16 input, no quantizer launch: (GEMM, up to M) rows (QUANT_INSIDE
+    # lists them all). The GEMV and the decode kernel recompute the row amax over K in every program (the rows
+    # sit in L2). Off: on the H100 (BENCHMARKS.md "Decode fusions") the fused GEMV took 0.97-1.18x the time of
+    # quantizer + GEMV at M = 1 and the fused decode kernels 1.0-3.7x at M = 8.
+    quant_inside: tuple[tuple[str, int], ...] = ()
     # transformers' ops in front of FP8 linears that run as one Triton kernel (fp8now.layers.producers):
     # "rmsnorm" (Llama / Qwen3 RMSNorm -> q/k/v, gate/up), "silu-mul" (act_fn(gate) * up -> down_proj).
     # Off by default until a GPU run shows them faster and their bf16 output equal to transformers' ops'
