@@ -45,7 +45,8 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
     each layer is quantized as soon as its weight (and bias) arrived, on `device` (None or "auto":
     cuda if available, else cpu). Non-quantized tensors are stored in `dtype`. `measure_error` computes each
     layer's SQNR / rel_diff for the report (one chunked dequantize per layer).
-    Returns `(model, report)`; the model is in eval mode with no tensor left on meta.
+    Returns `(model, report)`; the model is in eval mode with no tensor left on meta. keep_bf16="auto:F"
+    scores the layers first, then loads with the chosen ones ignored (fp8now.sensitivity.keep).
 
     `tp_plan="auto"` (the model's own transformers plan) or a dict {module pattern: style}, inside
     torchrun with torch.distributed initialised: each rank of `tp_group` (default: all) reads only
@@ -55,6 +56,10 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
     """
     start = time.perf_counter()
     config = config or Fp8Config()
+    if config.keep_bf16 is not None:   # the sensitivity pass first, then this load without it; `load` passed in
+        from ..sensitivity.keep import load_keeping
+
+        return load_keeping(load, model_dir, config, device, dtype, measure_error, tp_plan, tp_group, moe_parallel)
     if dtype not in _FLOAT_DTYPES:
         raise ValueError(f"dtype must be torch.bfloat16, float16 or float32, got {dtype}")
     device = resolve_device(device)

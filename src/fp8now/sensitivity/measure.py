@@ -1,0 +1,98 @@
+"""The two measurements of every quantizable layer and their combination (the core of the sensitivity pass).
+
+For every quantizable layer (the dense linears and MoE experts modules `fp8now.load` would quantize) two
+measurements of KL(bf16 || model), in nats per token, on the bf16 model's own greedy continuations of a few
+fixed openings (text.py), each with its standard error over the tokens:
+- `alone`: only this layer in FP8, every other layer in bf16, its FP8 error magnified 8 times and the KL
+  divided by 64 (kl.py says why);
+- `all_but`: every layer in FP8 but this one; `gain` = `baseline` (all in FP8) - `all_but`, what keeping
+  this layer alone in bf16 saves, from per-token differences;
+then `cost`, their inverse-variance weighted mean (kl.combined_cost), and `score` = cost per MiB of the
+layer's bf16 weight, the KL saved per byte kept in bf16, by which select.py ranks (the budget is bytes).
+
+Every target is quantized once (fp8now.quantize_: the bytes of a load); both versions of each layer stay in
+memory and a measurement swaps one of them in. A measurement of a layer in block i runs blocks i..end only,
+the variants of one block in one batch (passes.py), and only the logits of generated tokens are computed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import Fp8Config
+from ..hf.experts import FUSED_LEAVES, target_experts
+from ..hf.modules import set_submodule, target_linears
+from ..loading.quantize import quantize_
+from .kl import MAGNIFY, Magnified, Reference, combined_cost, stats
+from .passes import Pass, Unit, groups
+from .replay import block_of
+from .text import Sample
+
+
+def quantize_all(model: nn.Module, config: Fp8Config) -> tuple[list[Unit], dict]:
+    """Quantize every target of `model` in place (all in FP8 afterwards), keeping each bf16 module beside
+    its FP8 one; -> (units in model order, the LoadReport as a dict)."""
+    linears, _ = target_linears(model, config)
+    experts, _ = target_experts(model, config)
+    report = quantize_(model, config, measure_error=False)
+    blocks = {name: block_of(model, name) for name in [*linears, *experts]}
+    lists = {b[0] for b in blocks.values() if b is not None}
+    units = []
+    for name, module in model.named_modules():
+        if name in linears:
+            units.append(Unit(name, "linear", linears[name], module, 2 * linears[name].weight.numel(), None))
+        elif name in experts:
+            size = sum(getattr(experts[name], leaf).numel() for leaf in FUSED_LEAVES)
+            units.append(Unit(name, "experts", experts[name], module, 2 * size, None))
+        else:
+            continue
+        if len(lists) == 1 and blocks[name] is not None:
+            units[-1].block = blocks[name][1]
+    return units, report.to_dict()
+
+
+def put(model: nn.Module, units: list[Unit], fp8: bool) -> None:
+    """Each unit's FP8 module (fp8=True) or bf16 module into the model."""
+    for unit in units:
+        set_submodule(model, unit.name, unit.fp8 if fp8 else unit.bf16)
+
+
+@torch.inference_mode()
+def measure(model: nn.Module, sample: Sample, units: list[Unit], progress: bool = False) -> dict:
+    """Both measurements for every unit; the model ends with every unit in bf16.
+
+    Returns {"baseline": KL with all in FP8, "baseline_se", "layers": [{"name", "kind", "bytes", "alone",
+    "alone_se", "all_but", "gain", "gain_se", "cost", "score"}] in model order, "forwards": how they ran,
+    "magnify": the single-layer error's magnification}. KL in nats per token, SE its standard error."""
+    from tqdm.auto import tqdm
+
+    run = Pass(model, sample, units)
+    put(model, units, fp8=False)
+    bf16 = run.full()
+    ref = Reference(bf16.logits)
+    put(model, units, fp8=True)
+    fp8 = run.full()
+    every = ref.kl(fp8.logits)                   # [tokens]
+    run.check(ref, fp8)
+    rows = {u.name: {"name": u.name, "kind": u.kind, "bytes": u.bytes} for u in units}
+    with tqdm(total=2 * len(units), desc="fp8now sensitivity", unit="layer", disable=not progress,
+              leave=False) as bar:
+        for group in groups(units):              # all in FP8 but this one
+            for unit, all_but in zip(group, run.measure(ref, group, lambda u: u.bf16, lambda u: u.fp8, fp8)):
+                rows[unit.name]["all_but"] = stats(all_but)[0]
+                rows[unit.name]["gain"], rows[unit.name]["gain_se"] = stats(every - all_but)
+            bar.update(len(group))
+        put(model, units, fp8=False)
+        for group in groups(units):              # this one alone in FP8, its error magnified
+            magnified = run.measure(ref, group, lambda u: Magnified(u.bf16, u.fp8), lambda u: u.bf16, bf16)
+            for unit, alone in zip(group, magnified):
+                rows[unit.name]["alone"], rows[unit.name]["alone_se"] = stats(alone, 1.0 / MAGNIFY ** 2)
+            bar.update(len(group))
+    for row in rows.values():
+        row["cost"] = combined_cost(row["alone"], row["alone_se"], row["gain"], row["gain_se"])
+        row["score"] = row["cost"] / (row["bytes"] / 2**20)
+    baseline, baseline_se = stats(every)
+    how = "; ".join(run.notes) or "each block's variants in one batch, run from that block on"
+    return {"baseline": baseline, "baseline_se": baseline_se, "layers": list(rows.values()), "forwards": how,
+            "magnify": MAGNIFY}
