@@ -8,7 +8,7 @@ Per scheme (tensor, channel, block):
    which the choice never saw (it scores on text the model generates from its own fixed openings), without
    and with keep_bf16 (the cached scores of step 1): one bf16 reference run shared by every FP8 model.
 
-    PYTHONPATH=src python3 benchmarks/sensitivity_kl.py --max-tokens 8192
+    PYTHONPATH=src python3 benchmarks/sensitivity_kl.py --max-tokens 4096
     # writes benchmarks/results/sensitivity_smollm2_cpu.json
 """
 
@@ -43,6 +43,7 @@ def timing_row(scheme: str) -> dict:
     eval_s, _ = timed_cli("eval", "--scheme", scheme)
     sens_s, out = timed_cli("sensitivity", "--scheme", scheme, "--refresh")
     res = out["schemes"][scheme]["results"]
+    print(f"{scheme}: eval {eval_s:.1f} s, sensitivity {sens_s:.1f} s ({sens_s / eval_s:.2f}x)", flush=True)
     return {"kind": "timing", "scheme": scheme, "eval_s": eval_s, "sensitivity_s": sens_s,
             "ratio": sens_s / eval_s, "sensitivity_parts_s": res["seconds"], "scored_tokens": res["tokens"]}
 
@@ -84,14 +85,13 @@ def main() -> None:
     p.add_argument("--schemes", default="tensor,channel,block")
     p.add_argument("--keep", default="auto:0.05")
     p.add_argument("--max-tokens", type=int, default=0, help="tokens of the licence texts (0: all)")
-    p.add_argument("--no-timing", action="store_true", help="skip the timing (the cache must hold the scores)")
+    p.add_argument("--timing", default=None, metavar="SCHEMES",
+                   help="the schemes to time (default: all of --schemes; 'none': none, the cache must hold the scores)")
     p.add_argument("--out", default=OUT)
     args = p.parse_args()
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
-    rows = [] if args.no_timing else [timing_row(s) for s in schemes]
-    for row in rows:
-        print(f"{row['scheme']}: eval {row['eval_s']:.1f} s, sensitivity {row['sensitivity_s']:.1f} s "
-              f"({row['ratio']:.2f}x)", flush=True)
+    timed = schemes if args.timing is None else [s.strip() for s in args.timing.split(",") if s.strip() != "none"]
+    rows = [timing_row(s) for s in timed if s]
     rows += accuracy_rows(schemes, args.keep, args.max_tokens or None)
     for row in rows:
         if row["kind"] == "accuracy":

@@ -74,7 +74,7 @@ def test_both_measurements_equal_separately_loaded_models(tiny_dir):
     ids, mask = torch.tensor(record["sample"]["ids"]), torch.tensor(record["sample"]["mask"])
     n = FAST["new_tokens"]
     assert ids.shape[0] == 3 and record["tokens"] == 3 * n
-    assert record["forwards"] == "each block's variants in one batch, run from that block on"
+    assert record["forwards"] == "each from the swapped layer's block on (earlier blocks replayed)"
     assert record["magnify"] == 8
     names = [row["name"] for row in record["layers"]]
     assert len(names) == 14 and all(row["kind"] == "linear" for row in record["layers"])
@@ -147,7 +147,7 @@ def test_moe_experts_are_scored_as_one_layer_each(tmp_path):
     experts = [row for row in record["layers"] if row["kind"] == "experts"]
     assert [row["name"] for row in experts] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert all(row["bytes"] == 2 * 8 * 3 * 128 * 128 and row["alone"] > 0 for row in experts)
-    assert record["forwards"] == "each block's variants in one batch, run from that block on"
+    assert record["forwards"] == "each from the swapped layer's block on (earlier blocks replayed)"
     row = experts[1]   # stored one tensor per expert: fp8now.load cannot leave experts in bf16, so the FP8
     every = load_bf16(folder, torch.device("cpu"))    # experts come from quantizing the model in memory
     quantize_(every, Fp8Config(scheme="channel"))

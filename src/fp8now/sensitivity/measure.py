@@ -12,7 +12,7 @@ layer's bf16 weight, the KL saved per byte kept in bf16, by which select.py rank
 
 Every target is quantized once (fp8now.quantize_: the bytes of a load); both versions of each layer stay in
 memory and a measurement swaps one of them in. A measurement of a layer in block i runs blocks i..end only,
-the variants of one block in one batch (passes.py), and only the logits of generated tokens are computed.
+and only the logits of generated tokens are computed (passes.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ..hf.experts import FUSED_LEAVES, target_experts
 from ..hf.modules import set_submodule, target_linears
 from ..loading.quantize import quantize_
 from .kl import MAGNIFY, Magnified, Reference, combined_cost, stats
-from .passes import Pass, Unit, groups
+from .passes import Pass, Unit
 from .replay import block_of
 from .text import Sample
 
@@ -74,25 +74,24 @@ def measure(model: nn.Module, sample: Sample, units: list[Unit], progress: bool 
     put(model, units, fp8=True)
     fp8 = run.full()
     every = ref.kl(fp8.logits)                   # [tokens]
-    run.check(ref, fp8)
+    run.check(fp8)
     rows = {u.name: {"name": u.name, "kind": u.kind, "bytes": u.bytes} for u in units}
-    with tqdm(total=2 * len(units), desc="fp8now sensitivity", unit="layer", disable=not progress,
+    with tqdm(total=2 * len(units), desc="fp8now sensitivity", unit="forward", disable=not progress,
               leave=False) as bar:
-        for group in groups(units):              # all in FP8 but this one
-            for unit, all_but in zip(group, run.measure(ref, group, lambda u: u.bf16, lambda u: u.fp8, fp8)):
-                rows[unit.name]["all_but"] = stats(all_but)[0]
-                rows[unit.name]["gain"], rows[unit.name]["gain_se"] = stats(every - all_but)
-            bar.update(len(group))
+        for unit in units:                       # all in FP8 but this one
+            all_but = run.measure(ref, unit, unit.bf16, unit.fp8, fp8)
+            rows[unit.name]["all_but"] = stats(all_but)[0]
+            rows[unit.name]["gain"], rows[unit.name]["gain_se"] = stats(every - all_but)
+            bar.update()
         put(model, units, fp8=False)
-        for group in groups(units):              # this one alone in FP8, its error magnified
-            magnified = run.measure(ref, group, lambda u: Magnified(u.bf16, u.fp8), lambda u: u.bf16, bf16)
-            for unit, alone in zip(group, magnified):
-                rows[unit.name]["alone"], rows[unit.name]["alone_se"] = stats(alone, 1.0 / MAGNIFY ** 2)
-            bar.update(len(group))
+        for unit in units:                       # this one alone in FP8, its error magnified
+            alone = run.measure(ref, unit, Magnified(unit.bf16, unit.fp8), unit.bf16, bf16)
+            rows[unit.name]["alone"], rows[unit.name]["alone_se"] = stats(alone, 1.0 / MAGNIFY ** 2)
+            bar.update()
     for row in rows.values():
         row["cost"] = combined_cost(row["alone"], row["alone_se"], row["gain"], row["gain_se"])
         row["score"] = row["cost"] / (row["bytes"] / 2**20)
     baseline, baseline_se = stats(every)
-    how = "; ".join(run.notes) or "each block's variants in one batch, run from that block on"
+    how = "; ".join(run.notes) or "each from the swapped layer's block on (earlier blocks replayed)"
     return {"baseline": baseline, "baseline_se": baseline_se, "layers": list(rows.values()), "forwards": how,
             "magnify": MAGNIFY}

@@ -32,27 +32,18 @@ class Replay:
         self.blocks = blocks
 
     @contextlib.contextmanager
-    def record(self) -> Iterator[tuple[list, list]]:
-        """Inside the block, one forward fills the yielded lists with each block's output and its input
-        (args, kwargs), in order."""
+    def record(self) -> Iterator[list]:
+        """Inside the block, one forward fills the yielded list with each block's output, in order."""
         outputs: list = [None] * len(self.blocks)
-        inputs: list = [None] * len(self.blocks)
 
-        def hooks(i: int):
-            def store_input(_module, args, kwargs) -> None:
-                inputs[i] = (args, kwargs)
-
-            def store_output(_module, _args, out) -> None:
+        def hook(i: int):
+            def store(_module, _args, out) -> None:
                 outputs[i] = out
-            return store_input, store_output
+            return store
 
-        handles = []
-        for i, block in enumerate(self.blocks):
-            store_input, store_output = hooks(i)
-            handles.append(block.register_forward_pre_hook(store_input, with_kwargs=True))
-            handles.append(block.register_forward_hook(store_output))
+        handles = [block.register_forward_hook(hook(i)) for i, block in enumerate(self.blocks)]
         try:
-            yield outputs, inputs
+            yield outputs
         finally:
             for handle in handles:
                 handle.remove()
