@@ -76,17 +76,14 @@ def text_lines(model_dir, key: str, record: dict, rows: list[dict], keep: dict, 
              f"tokens the bf16 model generated from {len(s['prompts'])} fixed openings ({s['new_tokens']} each)",
              f"all layers in FP8: KL {record['baseline']:.5f} ± {record['baseline_se']:.5f}; {source}", ""]
     shown = rows[:top] if top else rows
-    lines += table(("rank", "layer", "kind", "MiB", "score", "KL cost", "alone", "± SE", "all-but gain", "± SE",
-                    "keep"),
+    lines += table(("rank", "layer", "kind", "MiB", "score", "KL alone", "± SE", "keep"),
                    [(str(r["rank"]), r["name"], r["kind"], f"{r['bytes'] / 2**20:.2f}", f"{r['score']:.2e}",
-                     f"{r['cost']:.2e}", f"{r['alone']:.2e}", f"{r['alone_se']:.1e}", f"{r['gain']:.2e}",
-                     f"{r['gain_se']:.1e}", "bf16" if r["keep_bf16"] else "") for r in shown], right_from=3,
-                   right_until=10)
+                     f"{r['alone']:.2e}", f"{r['alone_se']:.1e}", "bf16" if r["keep_bf16"] else "") for r in shown],
+                   right_from=3, right_until=7)
     if len(shown) < len(rows):
         lines.append(f"... {len(rows) - len(shown)} more (--top 0 shows all)")
     lines += ["", f"KL in nats per token. alone: KL with only this layer in FP8, its error magnified "
-              f"{record['magnify']:g}x, divided by {record['magnify'] ** 2:g}; all-but gain: KL with all in FP8 minus "
-              "KL with all but this one; KL cost: their mean weighted by 1 / SE^2; score: KL cost per MiB (the rank)",
+              f"{record['magnify']:g}x, divided by {record['magnify'] ** 2:g}; score: KL alone per MiB (the rank)",
               f"keep_bf16={keep['keep_bf16']!r} keeps {len(keep['layers'])} layers in bf16: "
               f"{keep['kept_bytes'] / 2**20:.2f} MiB of {keep['total_bytes'] / 2**20:.2f} MiB "
               f"({100 * keep['kept_bytes'] / max(keep['total_bytes'], 1):.2f}%)"]

@@ -19,7 +19,7 @@ from ..cache import cache_root
 from ..loading.files import checkpoint_files
 
 SUBDIR = "sensitivity"
-VERSION = 3   # bump when the scores change meaning: older results are then computed again
+VERSION = 4   # bump when the scores change meaning: older results are then computed again
 # Small files of a checkpoint folder that change what the pass generates or scores.
 DESCRIPTION_GLOBS = ("*.json", "*.jinja", "tokenizer.model", "merges.txt", "vocab.txt", "*.tiktoken")
 _CHUNK = 1 << 24

@@ -67,8 +67,7 @@ def load_keeping(load: Callable, model_dir: str | Path, config: Fp8Config, devic
 def reason(keep: str, row: dict, count: int) -> str:
     """Why one layer stayed in bf16, for the load report."""
     return (f"kept in bf16 by keep_bf16={keep!r}: sensitivity rank {row['rank']} of {count}, score "
-            f"{row['score']:.3e} nats/token per MiB (KL cost {row['cost']:.3e}: alone {row['alone']:.3e}, "
-            f"all-but gain {row['gain']:.3e})")
+            f"{row['score']:.3e} nats/token per MiB (KL alone {row['alone']:.3e} ± {row['alone_se']:.1e})")
 
 
 def summary(keep: str, chosen: Selection, record: dict) -> dict:

@@ -1,14 +1,11 @@
-"""The two measurements of every quantizable layer and their combination (the core of the sensitivity pass).
+"""The measurement of every quantizable layer (the core of the sensitivity pass).
 
-For every quantizable layer (the dense linears and MoE experts modules `fp8now.load` would quantize) two
-measurements of KL(bf16 || model), in nats per token, on the bf16 model's own greedy continuations of a few
-fixed openings (text.py), each with its standard error over the tokens:
-- `alone`: only this layer in FP8, every other layer in bf16, its FP8 error magnified 8 times and the KL
-  divided by 64 (kl.py says why);
-- `all_but`: every layer in FP8 but this one; `gain` = `baseline` (all in FP8) - `all_but`, what keeping
-  this layer alone in bf16 saves, from per-token differences;
-then `cost`, their inverse-variance weighted mean (kl.combined_cost), and `score` = cost per MiB of the
-layer's bf16 weight, the KL saved per byte kept in bf16, by which select.py ranks (the budget is bytes).
+For every quantizable layer (the dense linears and MoE experts modules `fp8now.load` would quantize):
+`alone`, KL(bf16 || model) in nats per token on the bf16 model's own continuations of a few fixed openings
+(text.py) with only this layer in FP8, its FP8 error magnified 8 times and the KL divided by 64 (kl.py says
+why), with its standard error over the tokens; and `score` = alone per MiB of the layer's bf16 weight, the
+KL that keeping it in bf16 is expected to save per byte kept, by which select.py ranks (the budget is bytes).
+Why not also "all but this one in FP8": see kl.py.
 
 Every target is quantized once (fp8now.quantize_: the bytes of a load); both versions of each layer stay in
 memory and a measurement swaps one of them in. A measurement of a layer in block i runs blocks i..end only,
@@ -24,7 +21,7 @@ from ..config import Fp8Config
 from ..hf.experts import FUSED_LEAVES, target_experts
 from ..hf.modules import set_submodule, target_linears
 from ..loading.quantize import quantize_
-from .kl import MAGNIFY, Magnified, Reference, combined_cost, stats
+from .kl import MAGNIFY, Magnified, Reference, stats
 from .passes import Pass, Unit
 from .replay import block_of
 from .text import Sample
@@ -60,38 +57,26 @@ def put(model: nn.Module, units: list[Unit], fp8: bool) -> None:
 
 @torch.inference_mode()
 def measure(model: nn.Module, sample: Sample, units: list[Unit], progress: bool = False) -> dict:
-    """Both measurements for every unit; the model ends with every unit in bf16.
+    """The measurement of every unit; the model ends with every unit in bf16.
 
     Returns {"baseline": KL with all in FP8, "baseline_se", "layers": [{"name", "kind", "bytes", "alone",
-    "alone_se", "all_but", "gain", "gain_se", "cost", "score"}] in model order, "forwards": how they ran,
-    "magnify": the single-layer error's magnification}. KL in nats per token, SE its standard error."""
+    "alone_se", "score"}] in model order, "forwards": how they ran, "magnify": the single-layer error's
+    magnification}. KL in nats per token, SE its standard error, score in nats per token per MiB."""
     from tqdm.auto import tqdm
 
     run = Pass(model, sample, units)
+    put(model, units, fp8=True)
+    fp8 = run.full()
     put(model, units, fp8=False)
     bf16 = run.full()
     ref = Reference(bf16.logits)
-    put(model, units, fp8=True)
-    fp8 = run.full()
-    every = ref.kl(fp8.logits)                   # [tokens]
-    run.check(fp8)
-    rows = {u.name: {"name": u.name, "kind": u.kind, "bytes": u.bytes} for u in units}
-    with tqdm(total=2 * len(units), desc="fp8now sensitivity", unit="forward", disable=not progress,
-              leave=False) as bar:
-        for unit in units:                       # all in FP8 but this one
-            all_but = run.measure(ref, unit, unit.bf16, unit.fp8, fp8)
-            rows[unit.name]["all_but"] = stats(all_but)[0]
-            rows[unit.name]["gain"], rows[unit.name]["gain_se"] = stats(every - all_but)
-            bar.update()
-        put(model, units, fp8=False)
-        for unit in units:                       # this one alone in FP8, its error magnified
-            alone = run.measure(ref, unit, Magnified(unit.bf16, unit.fp8), unit.bf16, bf16)
-            rows[unit.name]["alone"], rows[unit.name]["alone_se"] = stats(alone, 1.0 / MAGNIFY ** 2)
-            bar.update()
-    for row in rows.values():
-        row["cost"] = combined_cost(row["alone"], row["alone_se"], row["gain"], row["gain_se"])
-        row["score"] = row["cost"] / (row["bytes"] / 2**20)
-    baseline, baseline_se = stats(every)
+    baseline, baseline_se = stats(ref.kl(fp8.logits))
+    run.check(bf16)
+    rows = []
+    for unit in tqdm(units, desc="fp8now sensitivity", unit="layer", disable=not progress, leave=False):
+        alone, alone_se = stats(run.measure(ref, unit, Magnified(unit.bf16, unit.fp8), unit.bf16, bf16),
+                                1.0 / MAGNIFY ** 2)
+        rows.append({"name": unit.name, "kind": unit.kind, "bytes": unit.bytes, "alone": alone,
+                     "alone_se": alone_se, "score": alone / (unit.bytes / 2**20)})
     how = "; ".join(run.notes) or "each from the swapped layer's block on (earlier blocks replayed)"
-    return {"baseline": baseline, "baseline_se": baseline_se, "layers": list(rows.values()), "forwards": how,
-            "magnify": MAGNIFY}
+    return {"baseline": baseline, "baseline_se": baseline_se, "layers": rows, "forwards": how, "magnify": MAGNIFY}

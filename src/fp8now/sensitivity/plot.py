@@ -1,4 +1,4 @@
-"""The PNG `fp8now sensitivity --plot` writes: every layer's KL cost in model order, and alone against all-but."""
+"""The PNG `fp8now sensitivity --plot` writes: every layer's KL alone in model order, and against its size."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ FLOOR = 1e-7   # costs at or below zero are drawn here on the log axes (keeping 
 
 
 def plot_sensitivity(record: dict, kept: list[str], path: str | os.PathLike) -> Path:
-    """Left: KL cost per layer in model order, one colour per projection (the name's last part), the layers
-    `kept` in bf16 ringed. Right: each layer's KL alone against its all-but gain. Log axes, nats per token."""
+    """Left: each layer's KL alone in model order, one colour per projection (the name's last part), the layers
+    `kept` in bf16 ringed. Right: the same against the layer's MiB (the rank is their ratio). Log KL axes."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -22,29 +22,24 @@ def plot_sensitivity(record: dict, kept: list[str], path: str | os.PathLike) -> 
     kinds = list(dict.fromkeys(row["name"].rsplit(".", 1)[-1] for row in layers))
     fig = Figure(figsize=(12, 4.5), layout="constrained")
     FigureCanvasAgg(fig)  # Agg rendering without pyplot's global state
-    ax_rank, ax_ends = fig.subplots(1, 2, width_ratios=(2, 1))
+    ax_order, ax_size = fig.subplots(1, 2, width_ratios=(2, 1))
+    cost = [max(row["alone"], FLOOR) for row in layers]
+    mib = [row["bytes"] / 2**20 for row in layers]
     for kind in kinds:
         idx = [i for i, row in enumerate(layers) if row["name"].rsplit(".", 1)[-1] == kind]
-        ax_rank.plot(idx, [max(layers[i]["cost"], FLOOR) for i in idx], "o", ms=4, label=kind)
-        ax_ends.plot([max(layers[i]["alone"], FLOOR) for i in idx], [max(layers[i]["gain"], FLOOR) for i in idx],
-                     "o", ms=4, label=kind)
+        ax_order.plot(idx, [cost[i] for i in idx], "o", ms=4, label=kind)
+        ax_size.plot([mib[i] for i in idx], [cost[i] for i in idx], "o", ms=4, label=kind)
     chosen = [i for i, row in enumerate(layers) if row["name"] in set(kept)]
-    ax_rank.plot(chosen, [max(layers[i]["cost"], FLOOR) for i in chosen], "o", ms=10, mfc="none", color="black",
-                 label="kept in bf16")
-    ax_rank.axhline(record["baseline"] / max(len(layers), 1), color="gray", ls="--", lw=0.8,
-                    label="all-FP8 KL / layers")
-    ax_rank.set_xlabel("layer, in model order")
-    ax_rank.set_ylabel("KL cost (alone and all-but gain, 1/SE^2-weighted), nats/token")
-    ax_ends.set_xlabel(f"alone: KL with only this layer in FP8 (error x{record['magnify']:g}, / {record['magnify'] ** 2:g})")
-    ax_ends.set_ylabel("KL saved by keeping only this layer in bf16")
-    lo = min([FLOOR * 10] + [max(min(r["alone"], r["gain"]), FLOOR) for r in layers])
-    hi = max([FLOOR * 100] + [max(r["alone"], r["gain"]) for r in layers])
-    ax_ends.plot([lo, hi], [lo, hi], color="gray", lw=0.8)
-    for ax in (ax_rank, ax_ends):
+    for ax, xs in ((ax_order, chosen), (ax_size, [mib[i] for i in chosen])):
+        ax.plot(xs, [cost[i] for i in chosen], "o", ms=10, mfc="none", color="black", label="kept in bf16")
         ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
-    ax_ends.set_xscale("log")
-    ax_rank.legend(fontsize=7, ncol=2)
+    ax_order.axhline(record["baseline"] / max(len(layers), 1), color="gray", ls="--", lw=0.8,
+                     label="all-FP8 KL / layers")
+    ax_order.set_xlabel("layer, in model order")
+    ax_order.set_ylabel(f"KL alone (error x{record['magnify']:g}, / {record['magnify'] ** 2:g}), nats/token")
+    ax_size.set_xlabel("MiB of the layer's bf16 weight")
+    ax_order.legend(fontsize=7, ncol=2)
     s = record["settings"]
     fig.suptitle(f"{Path(record.get('model', '')).name or 'model'} ({record['scheme']}): layer sensitivity on "
                  f"{record['tokens']} generated tokens ({len(s['prompts'])} prompts); all-FP8 KL "

@@ -68,8 +68,7 @@ def sensitivity(model_dir: str | Path, config: Fp8Config | None = None, device: 
 
     The result is read from the fp8now cache when this checkpoint (its files' hash), scheme and settings
     were scored before (`refresh=True` scores again). Returns the record: {"scheme", "settings", "baseline",
-    "layers": [{"name", "kind", "bytes", "alone", "alone_se", "all_but", "gain", "gain_se", "cost", "score"}] in
-    model order (measure.measure), "tokens", "answers", "seconds", "forwards", "report", "cached": whether it
+    "layers": [{"name", "kind", "bytes", "alone", "alone_se", "score"}] in model order (measure.measure), "tokens", "answers", "seconds", "forwards", "report", "cached": whether it
     was read from the cache, "cache_file" (or "cache_error" when it could not be written)}.
     """
     from ..loading.devices import resolve_device
