@@ -3,7 +3,8 @@ sensitivity pass cost against one `fp8now eval`?
 
 Per scheme (tensor, channel, block):
 1. time, back to back, as subprocesses: `fp8now eval --scheme S` (its default: the first 4096 tokens of the
-   bundled licence texts) and `fp8now sensitivity --scheme S --refresh` (a fresh pass, stored in the cache);
+   bundled licence texts) and `fp8now sensitivity --scheme S --refresh` (a fresh pass, stored in the cache),
+   `--repeat` rounds, the fastest of each counted (the CPU is shared);
 2. KL(bf16 || FP8), top-1 agreement and perplexity on the licence texts (`--max-tokens`, default all of them),
    which the choice never saw (it scores on text the model generates from its own fixed openings), without
    and with keep_bf16 (the cached scores of step 1): one bf16 reference run shared by every FP8 model.
@@ -39,13 +40,21 @@ def timed_cli(*args: str) -> tuple[float, dict]:
     return seconds, json.loads(proc.stdout)
 
 
-def timing_row(scheme: str) -> dict:
-    eval_s, _ = timed_cli("eval", "--scheme", scheme)
-    sens_s, out = timed_cli("sensitivity", "--scheme", scheme, "--refresh")
+def timing_row(scheme: str, repeat: int) -> dict:
+    """`repeat` rounds of eval then a fresh pass, back to back; the ratio of the fastest of each (the machine is
+    shared: the slower rounds are other people's work), every round's seconds and the load averages kept."""
+    evals, passes = [], []
+    for _ in range(repeat):
+        evals.append(timed_cli("eval", "--scheme", scheme)[0])
+        seconds, out = timed_cli("sensitivity", "--scheme", scheme, "--refresh")
+        passes.append(seconds)
     res = out["schemes"][scheme]["results"]
-    print(f"{scheme}: eval {eval_s:.1f} s, sensitivity {sens_s:.1f} s ({sens_s / eval_s:.2f}x)", flush=True)
+    eval_s, sens_s = min(evals), min(passes)
+    print(f"{scheme}: eval {eval_s:.1f} s, sensitivity {sens_s:.1f} s ({sens_s / eval_s:.2f}x); rounds: eval "
+          f"{', '.join(f'{x:.1f}' for x in evals)}, sensitivity {', '.join(f'{x:.1f}' for x in passes)}", flush=True)
     return {"kind": "timing", "scheme": scheme, "eval_s": eval_s, "sensitivity_s": sens_s,
-            "ratio": sens_s / eval_s, "sensitivity_parts_s": res["seconds"], "scored_tokens": res["tokens"]}
+            "ratio": sens_s / eval_s, "eval_rounds_s": evals, "sensitivity_rounds_s": passes,
+            "sensitivity_parts_s": res["seconds"], "scored_tokens": res["tokens"], "load_average": os.getloadavg()}
 
 
 def accuracy_rows(schemes: list[str], keep: str, max_tokens: int | None) -> list[dict]:
@@ -87,11 +96,12 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=0, help="tokens of the licence texts (0: all)")
     p.add_argument("--timing", default=None, metavar="SCHEMES",
                    help="the schemes to time (default: all of --schemes; 'none': none, the cache must hold the scores)")
+    p.add_argument("--repeat", type=int, default=2, help="timing rounds per scheme (the fastest counts)")
     p.add_argument("--out", default=OUT)
     args = p.parse_args()
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     timed = schemes if args.timing is None else [s.strip() for s in args.timing.split(",") if s.strip() != "none"]
-    rows = [timing_row(s) for s in timed if s]
+    rows = [timing_row(s, args.repeat) for s in timed if s]
     rows += accuracy_rows(schemes, args.keep, args.max_tokens or None)
     for row in rows:
         if row["kind"] == "accuracy":
