@@ -17,6 +17,8 @@ from fp8now.sensitivity.score import sensitivity
 from test_cli import one_error_line
 from test_sensitivity import tiny_dir  # noqa: F401  (fixture)
 
+pytestmark = pytest.mark.slow   # the CLI as a subprocess (the suite's convention; still run by default)
+
 
 @pytest.fixture()
 def cache(tmp_path) -> Path:
