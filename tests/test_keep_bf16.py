@@ -79,3 +79,25 @@ def test_what_cannot_take_keep_bf16_says_so(tiny_dir, tmp_path):
     fp8now.save(model, tmp_path / "fp8", format="compressed-tensors")
     with pytest.raises(ValueError, match="holds an FP8 checkpoint .* keep_bf16='auto:0.05' does not apply"):
         load(tmp_path / "fp8", config, device="cpu")
+
+
+def test_an_exported_checkpoint_keeps_the_chosen_layers_in_bf16(tiny_dir, tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    from fp8now.export import quantize
+
+    out, report = quantize(tiny_dir, tmp_path / "fp8", Fp8Config(scheme="channel", keep_bf16=KEEP), device="cpu")
+    kept = report.keep_bf16["layers"]
+    record = sensitivity(tiny_dir, Fp8Config(scheme="channel"), "cpu")
+    assert kept and kept == select(record["layers"], 0.3).names
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    assert set(kept) <= set(ignore)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        for row in record["layers"]:
+            weight = f.get_tensor(f"{row['name']}.weight")
+            assert (weight.dtype == torch.bfloat16) == (row["name"] in kept)
+            assert (f"{row['name']}.weight_scale" in f.keys()) == (row["name"] not in kept)
+    model, _ = load(out, device="cpu")
+    assert all(type(model.get_submodule(name)) is nn.Linear for name in kept)
