@@ -58,7 +58,7 @@ def test_run_json_is_the_shared_shape():
     assert tuple(res) == SCHEMA_KEYS and res["command"] == "run" and res["args"]["seed"] == 2
     entry = res["schemes"]["channel"]
     assert entry["config"] == {"scheme": "channel", "activation": "token", "backend": "auto", "fast_accum": False,
-                               "head": False, "embedding": False, "weight_numerics": "spec"}
+                               "head": False, "embedding": False, "weight_numerics": "spec", "keep_bf16": None}
     assert len(entry["report"]["layers"]) == 210
     gens = entry["results"]["generations"]
     assert [g["mode"] for g in gens] == ["greedy", "sampled"] and gens[1]["seed"] == 2

@@ -5,7 +5,7 @@ from .export import save
 from .layers.guard import ReloadInProgress, TornWeights, guard
 from .layers.linear import Fp8Linear
 from .layers.moe import Fp8Experts
-from .loading.load import load
+from .sensitivity.keep import load
 from .loading.quantize import quantize_
 from .loading.reload import reload_weights
 from .numerics import dequantize, quantize_activation, quantize_weight, rel_diff, sqnr

@@ -106,6 +106,23 @@ AMBIGUOUS_NAMES: dict[str, str] = {
 }
 
 
+# Fp8Config.keep_bf16: "auto:F" keeps in bf16 the layers a data-free sensitivity pass ranks highest, within
+# the fraction F (0 <= F < 1) of the quantizable weight bytes (fp8now.sensitivity.keep).
+KEEP_BF16_FORM = "'auto:F' with 0 <= F < 1, e.g. 'auto:0.05' (the most sensitive layers within 5% of the weight bytes)"
+
+
+def keep_bf16_fraction(text: str) -> float:
+    """The fraction F of a `keep_bf16` value "auto:F"; errors quote `text` and show the form."""
+    kind, _, value = str(text).strip().partition(":")
+    try:
+        fraction = float(value) if kind.strip().lower() == "auto" else None
+    except ValueError:
+        fraction = None
+    if fraction is None or not 0.0 <= fraction < 1.0:
+        raise ValueError(f"keep_bf16={text!r}: expected {KEEP_BF16_FORM}")
+    return fraction
+
+
 def parse_scheme_name(text: str) -> tuple[Scheme, str]:
     """(weight scheme, activation kind) of a scheme name; errors quote `text` exactly as given."""
     key = str(text).strip().lower().replace("_", "-")
@@ -169,6 +186,10 @@ class Fp8Config:
         "llm-compressor-triton": the FP8 bytes and scales llm-compressor's data-free FP8_DYNAMIC (channel)
         and FP8_BLOCK (block) write (fp8now.kernels.llmc; scales kept in the weight's dtype, which
         fp8now.save writes). Computed with torch ops on every device.
+    keep_bf16: None, or "auto:F": fp8now.load first scores every quantizable layer without data (the
+        sensitivity pass, cached per checkpoint) and keeps in bf16 the highest-ranked ones within the
+        fraction F of the quantizable weight bytes; layers matching `ignore` stay in bf16 whatever their rank
+        and cost none of that budget. Only `fp8now.load` of a bf16 checkpoint takes it.
     """
 
     scheme: Scheme = Scheme.CHANNEL
@@ -183,6 +204,7 @@ class Fp8Config:
     tp_invariant: bool = False
     fast_accum: bool = False
     weight_numerics: str = "spec"
+    keep_bf16: str | None = None
 
     def __post_init__(self) -> None:
         scheme, activation = _named_activation("scheme", self.scheme, self.activation)
@@ -216,6 +238,8 @@ class Fp8Config:
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"Fp8Config.{flag} must be True or False, got {getattr(self, flag)!r}")
         self._check_numerics()
+        if self.keep_bf16 is not None:
+            keep_bf16_fraction(self.keep_bf16)
         if self.fast_accum and self.scheme is Scheme.BLOCK:
             raise ValueError(f"fast_accum=True does not apply to scheme 'block': {FAST_ACCUM_BLOCK}")
         if self.batch_invariant and self.activation == "tensor":

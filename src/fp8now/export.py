@@ -273,7 +273,7 @@ def quantize(model_dir: str | Path, out_dir: str | Path, config: Fp8Config | Non
     """Quantize a bf16 checkpoint while loading it (fp8now.load) and save it in `format`: returns
     (out_dir, load report; its warnings name what a known reader cannot read). The format is checked against
     the scheme before anything is loaded."""
-    from .loading.load import load
+    from .sensitivity.keep import load
 
     config = config or Fp8Config()
     fmt = check_export(config, format, out_dir)

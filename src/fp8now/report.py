@@ -72,6 +72,7 @@ class LoadReport:
     cpu_quantizer: the activation quantizer of the cpu backend's layers per kind (`cpu_quantizer.install`);
     None without such layers.
     weight_numerics: Fp8Config.weight_numerics ("spec", or llm-compressor's rules), named in the summary.
+    keep_bf16: under Fp8Config(keep_bf16=...), what it kept and its budget (sensitivity.keep.summary); else None.
     """
 
     source: str
@@ -93,6 +94,7 @@ class LoadReport:
     peak_host_rss_bytes: int | None = 0
     cpu_quantizer: str | None = None
     weight_numerics: str = "spec"
+    keep_bf16: dict | None = None
     notices: list[str] = field(default_factory=list)   # other warnings: odd values, index or config (load.py)
 
     @property
@@ -140,6 +142,9 @@ class LoadReport:
                    else f"{_mib(self.peak_host_rss_bytes)} (process-wide maximum since start)")]
         if self.cpu_quantizer:
             lines.append(f"cpu activation quantizer: {self.cpu_quantizer}")
+        if k := self.keep_bf16:
+            lines.append(f"keep_bf16={k['keep_bf16']!r}: {len(k['layers'])} layers kept in bf16, {_mib(k['kept_bytes'])} "
+                         f"of {_mib(k['total_bytes'])} quantizable; sensitivity scores {k['scores']}")
         return lines + [f"WARNING: {w}" for w in self.warnings()]
 
     def plan_lines(self) -> list[str]:

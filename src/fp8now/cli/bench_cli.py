@@ -35,7 +35,8 @@ def bench_command(args, device) -> int:
         layers = layer_options(args)   # --fp8-head / --fp8-embedding
         impls = {"bf16": bf16_loader, **{f"fp8now-{k}": fp8now_loader(k, **layers) for k in keys}}
         alone = None
-        if layers == {"head": False, "embedding": False, "weight_numerics": "spec"}:   # bench_alone's names
+        plain = {"head": False, "embedding": False, "weight_numerics": "spec", "keep_bf16": None}
+        if layers == plain:   # bench_alone's names (keep_bf16 runs in this process)
             alone = lambda impl, reload: measure_alone([sys.executable, "-m", "fp8now.cli.bench_alone"], impl,  # noqa: E731
                                                        folder, device, opts.cold, reload)
         reports = measure(name, folder, impls, device, opts, rows.append, log, alone=alone)["reports"]

@@ -34,15 +34,15 @@ bf16_loader.warm = _bf16_warm
 
 
 def fp8now_loader(scheme: str, fast_accum: bool = False, head: bool = False, embedding: bool = False,
-                  weight_numerics: str = "spec") -> Loader:
+                  weight_numerics: str = "spec", keep_bf16: str | None = None) -> Loader:
     """fp8now.load of the folder with `scheme` and those Fp8Config fields, with load's defaults (the report's
     per-layer error figures included); its `warm` compiles the weight quantizer for the model's weight shapes
     first, untimed."""
     config = Fp8Config(scheme=scheme, fast_accum=fast_accum, head=head, embedding=embedding,
-                       weight_numerics=weight_numerics)
+                       weight_numerics=weight_numerics, keep_bf16=keep_bf16)
 
     def load(folder: Path, device: torch.device):
-        from ..loading.load import load as fp8_load
+        from ..sensitivity.keep import load as fp8_load
 
         return fp8_load(folder, config, device=device)
 
@@ -59,6 +59,10 @@ def fp8now_loader(scheme: str, fast_accum: bool = False, head: bool = False, emb
         for shape in sorted(shapes):
             quantize_weight(0.02 * torch.randn(shape, device=device, dtype=torch.bfloat16), config.scheme, None,
                             config.weight_numerics)
+        if config.keep_bf16 is not None:   # the sensitivity pass: scored (and cached) here, read by the timed load
+            from ..sensitivity.keep import chosen_layers
+
+            chosen_layers(folder, config, device)
         if config.embedding:   # the embedding's per-row quantization (numerics' channel rule)
             emb = skeleton.get_input_embeddings().weight
             quantize_weight(0.02 * torch.randn(emb.shape, device=device, dtype=torch.bfloat16), "channel")

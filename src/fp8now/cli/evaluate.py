@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..config import Fp8Config, scheme_key
+from ..hf.bf16 import load_bf16  # noqa: F401  (public here too)
 from .kl_stats import summarize
 from .plot import plot_schemes  # noqa: F401  (public here too)
 
@@ -36,10 +37,10 @@ BUNDLED_TEXT = "licenses.txt"
 
 
 def scheme_config(name: str, fast_accum: bool = False, head: bool = False, embedding: bool = False,
-                  weight_numerics: str = "spec") -> tuple[str, Fp8Config]:
+                  weight_numerics: str = "spec", keep_bf16: str | None = None) -> tuple[str, Fp8Config]:
     """(fp8now's name, config) for any scheme name config.py accepts, e.g. `ptpc` -> `channel`."""
     config = Fp8Config(scheme=name, fast_accum=fast_accum, head=head, embedding=embedding,
-                       weight_numerics=weight_numerics)
+                       weight_numerics=weight_numerics, keep_bf16=keep_bf16)
     return scheme_key(config.scheme, config.act_kind()), config
 
 
@@ -171,28 +172,11 @@ def tokenize(model_dir: Path, text: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def load_bf16(model_dir: Path, device: torch.device) -> nn.Module:
-    """The unquantized reference: plain transformers in bf16, eval mode; onto a GPU straight from the
-    files (device_map), as a user loads it there."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    placed = {"device_map": str(device)} if torch.device(device).type == "cuda" else {}
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16,
-                                                     trust_remote_code=False, **placed)
-    finally:
-        if enabled:
-            hf_logging.enable_progress_bar()
-    return model.to(device).eval()
-
-
 def evaluate(model_dir: str | os.PathLike, schemes: Sequence[str], text: str, *,
              max_tokens: int | None = None, seq_len: int = 512, device: torch.device | str | None = None,
              batch_size: int = 4, progress: bool = True, text_name: str = "text", fast_accum: bool = False,
-             head: bool = False, embedding: bool = False, weight_numerics: str = "spec") -> dict:
+             head: bool = False, embedding: bool = False, weight_numerics: str = "spec",
+             keep_bf16: str | None = None) -> dict:
     """Compare the bf16 model with its FP8 versions on `text`.
 
     Returns `{"model", "device", "text": {"name", "tokens", "windows", "seq_len", "predicted"},
@@ -201,16 +185,17 @@ def evaluate(model_dir: str | os.PathLike, schemes: Sequence[str], text: str, *,
     per predicted token, `top1` the fraction of positions where both argmaxes agree, each with `_se`.
     `load_report` is `LoadReport.to_dict()` without its `layers` (they are under `layers`).
     Scheme keys: "channel", "block", "tensor", "tensor-tensor" (any name config.py accepts, and "all").
-    `fast_accum`, `head`, `embedding`, `weight_numerics`: every FP8 model with those Fp8Config fields.
+    `fast_accum`, `head`, `embedding`, `weight_numerics`, `keep_bf16`: every FP8 model with those Fp8Config fields.
     """
     from tqdm.auto import tqdm
 
     from ..hf.tokenizer import check_token_ids
-    from ..loading.load import load, resolve_device
+    from ..loading.load import resolve_device
+    from ..sensitivity.keep import load
 
     model_dir = Path(model_dir)
     keys = expand_schemes(schemes)
-    configs = {k: scheme_config(k, fast_accum, head, embedding, weight_numerics)[1] for k in keys}
+    configs = {k: scheme_config(k, fast_accum, head, embedding, weight_numerics, keep_bf16)[1] for k in keys}
     device = resolve_device(device)
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -253,4 +238,4 @@ def config_dict(config: Fp8Config) -> dict:
     """The parts of a config that say what ran (the JSON output's "config")."""
     return {"scheme": config.scheme.value, "activation": config.act_kind(), "backend": config.backend,
             "fast_accum": config.fast_accum, "head": config.head, "embedding": config.embedding,
-            "weight_numerics": config.weight_numerics}
+            "weight_numerics": config.weight_numerics, "keep_bf16": config.keep_bf16}

@@ -1,4 +1,4 @@
-"""`fp8now run | eval | inspect | quantize | bench`: every command defaults to the embedded SmolLM2-135M-Instruct.
+"""`fp8now run | eval | inspect | quantize | bench | sensitivity`: each defaults to the embedded SmolLM2-135M-Instruct.
 
 Results go to stdout, progress bars and errors to stderr. An error is one line and exit status 1
 (`--debug` shows the traceback).
@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .flags import add_layer_flags, flag_config, layer_options
 from .output import dumps, error_object
+from .sensitivity import add_command as add_sensitivity_command, sensitivity_command
 
 DEFAULT_PROMPT = "Explain in two sentences why smaller number formats make language models faster."
 SAMPLE_TEMPERATURE = 0.7
@@ -82,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     from .bench_args import add_command
 
     add_command(sub, common, scheme_help)
+    add_sensitivity_command(sub, common, scheme_help)
     return p
 
 
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return {"run": cmd_run, "eval": cmd_eval, "inspect": cmd_inspect,
-                "quantize": cmd_quantize, "bench": cmd_bench}[args.command](args)
+                "quantize": cmd_quantize, "bench": cmd_bench, "sensitivity": sensitivity_command}[args.command](args)
     except KeyboardInterrupt as e:
         print("fp8now: interrupted", file=sys.stderr)
         if args.json:
@@ -124,7 +126,7 @@ def _progress() -> bool:
 
 def _load(args, measure_error: bool = True, model_dir=None):
     """Check the scheme first (fast), then resolve the model folder and load it in FP8."""
-    from ..loading.load import load
+    from ..sensitivity.keep import load
     from ..hf.models import resolve_model
 
     key, config = flag_config(args)
@@ -160,7 +162,7 @@ def cmd_run(args) -> int:
         from .output import dumps, envelope, scheme_entry
 
         options = {k: getattr(args, k) for k in ("scheme", "prompt", "max_new_tokens", "mode", "seed", "fast_accum",
-                                                 "fp8_head", "fp8_embedding")}
+                                                 "fp8_head", "fp8_embedding", "keep_bf16")}
         entry = scheme_entry(config_dict(flag_config(args, key)[1]), report.to_dict(),
                              {"generations": generations})
         print(dumps(envelope("run", model_dir, report.device, options, {key: entry})))
@@ -271,7 +273,7 @@ def cmd_eval(args) -> int:
         results["plot"] = str(plot_schemes(results, args.plot))
     if args.json:
         options = {k: getattr(args, k) for k in ("scheme", "text", "max_tokens", "seq_len", "batch_size",
-                                                  "fast_accum", "fp8_head", "fp8_embedding")}
+                                                  "fast_accum", "fp8_head", "fp8_embedding", "keep_bf16")}
         print(dumps(eval_envelope(results, options)))
         return 0
     print(format_eval(results, layers=args.layers))

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-import secrets
 from pathlib import Path
+
+from ..atomic import write_atomically
 
 
 def plot_schemes(results: dict, path: str | os.PathLike) -> Path:
@@ -38,22 +39,4 @@ def plot_schemes(results: dict, path: str | os.PathLike) -> Path:
     t = results["text"]
     fig.suptitle(f"{Path(results.get('model', '')).name or 'model'}: FP8 vs bf16 on {t['name']} "
                  f"({t['predicted']} predictions)", fontsize=9)
-    return _write_atomically(path, lambda f: fig.savefig(f, format="png", dpi=110))
-
-
-def _write_atomically(path: Path, write) -> Path:
-    """Call `write(binary file)` on a new sibling (mode 0666 less the umask, like any new file), then
-    rename it to `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
-
-
+    return write_atomically(path, lambda f: fig.savefig(f, format="png", dpi=110))

@@ -45,7 +45,8 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
     each layer is quantized as soon as its weight (and bias) arrived, on `device` (None or "auto":
     cuda if available, else cpu). Non-quantized tensors are stored in `dtype`. `measure_error` computes each
     layer's SQNR / rel_diff for the report (one chunked dequantize per layer).
-    Returns `(model, report)`; the model is in eval mode with no tensor left on meta.
+    Returns `(model, report)`; the model is in eval mode with no tensor left on meta. keep_bf16="auto:F" is
+    fp8now.load's (fp8now.sensitivity.keep.load: it scores the layers, then runs this with them ignored).
 
     `tp_plan="auto"` (the model's own transformers plan) or a dict {module pattern: style}, inside
     torchrun with torch.distributed initialised: each rank of `tp_group` (default: all) reads only
@@ -55,6 +56,9 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
     """
     start = time.perf_counter()
     config = config or Fp8Config()
+    if config.keep_bf16 is not None:
+        raise ValueError(f"keep_bf16={config.keep_bf16!r} is applied by fp8now.load (fp8now.sensitivity.keep.load), "
+                         "which scores the layers before this pipeline runs; call that one")
     if dtype not in _FLOAT_DTYPES:
         raise ValueError(f"dtype must be torch.bfloat16, float16 or float32, got {dtype}")
     device = resolve_device(device)

@@ -62,6 +62,10 @@ def quantize_(model: nn.Module, config: Fp8Config | None = None, *,
     """
     start = time.perf_counter()
     config = config or Fp8Config()
+    if config.keep_bf16 is not None:
+        raise ValueError(f"quantize_: keep_bf16={config.keep_bf16!r} needs the checkpoint folder (the sensitivity pass "
+                         "generates text with its tokenizer and caches by its files' hash): use fp8now.load(folder, "
+                         "config), or pass the layers as Fp8Config(ignore=...) (fp8now.sensitivity.keep.chosen_layers)")
     where = f"quantize_({type(model).__name__})"
     tensors = _own_tensors(model, where)
     dtype = next((t.dtype for _, t in tensors if t.is_floating_point()), torch.bfloat16)
