@@ -89,3 +89,15 @@ def test_a_gpu_load_measures_with_the_pass_and_the_figures_match_the_torch_chunk
     one = weight_error.error_stats(w, q, s, scheme)                     # the Triton pass
     chunked = weight_error.error_stats(w, q, s, scheme, chunk_bytes=1 << 16)   # torch ops in chunks
     assert torch.allclose(one, chunked, rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize("scheme", list(Scheme))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_torch_chunks_equal_the_definitions_too(scheme, dtype):
+    """The path CPUs (and GPUs without Triton) take: torch float64 ops in row chunks small enough that this
+    shape needs several."""
+    w = planted(300, 260, dtype, seed=11)
+    q, s = numerics.quantize_weight(w, scheme)
+    got = weight_error.error_stats(w, q, s, scheme, chunk_bytes=128 * 260 * 8).tolist()
+    for i, (g, r) in enumerate(zip(got, reference(w, q, s, scheme))):
+        assert g == pytest.approx(r, rel=1e-9, abs=1e-300), i

@@ -85,6 +85,8 @@ def error_stats(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: S
         acc[5] += n.sum()
         acc[6] = torch.maximum(acc[6], (f.double() / n.clamp(min=1)).max())
         del a, b, nonzero
+    if scheme is Scheme.TENSOR:   # one group: the whole weight (not the largest chunk's fraction)
+        acc[6] = acc[4] / acc[5].clamp(min=1)
     return acc
 
 
