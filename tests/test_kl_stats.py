@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fp8now.cli.kl_stats import summarize
+from fp8now.kl_stats import summarize
 
 
 def _per_token(n: int, vocab: int, noise: float, seed: int):

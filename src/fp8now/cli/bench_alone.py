@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..host_memory import current_rss_bytes, peak_rss_bytes
 from .bench_load import Loader, read_through, resident_bytes
 
 GB = 1e9
@@ -36,17 +37,6 @@ def evict(folder: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-
-
-def _status(field: str) -> int:
-    """A size field of /proc/self/status in bytes (Linux), else 0: VmRSS now, VmHWM its peak. VmHWM belongs to
-    this process image (ru_maxrss would carry over the parent's peak through fork and exec)."""
-    try:
-        with open("/proc/self/status") as f:
-            line = next(x for x in f if x.startswith(field + ":"))
-        return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError, StopIteration):
-        return 0
 
 
 def _touch(model) -> None:
@@ -108,7 +98,7 @@ def run_alone(loader: Loader, folder: Path, device: torch.device, cold: bool, re
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    base = _status("VmRSS")
+    base = current_rss_bytes() or 0
     t0 = time.perf_counter()
     model, _ = loader(folder, device)
     if device.type == "cuda":
@@ -120,7 +110,7 @@ def run_alone(loader: Loader, folder: Path, device: torch.device, cold: bool, re
     rows = [{"phase": "load", "cold": cold, "seconds": seconds, "gb_per_s": nbytes / seconds / GB,
              "checkpoint_gb": nbytes / GB, "resident_gb": resident_bytes(model) / GB,
              "peak_gb": torch.cuda.max_memory_allocated(device) / GB if device.type == "cuda" else None,
-             "host_peak_gb": _status("VmHWM") / GB,
+             "host_peak_gb": (peak_rss_bytes() or 0) / GB,   # VmHWM: this process image's own
              "host_before_gb": base / GB}]
     if reload:
         rows.append(reload_row(model, folder, device))

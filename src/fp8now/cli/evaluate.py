@@ -27,7 +27,7 @@ from torch import nn
 
 from ..config import Fp8Config, scheme_key
 from ..hf.bf16 import load_bf16  # noqa: F401  (public here too)
-from .kl_stats import summarize
+from ..kl_stats import summarize
 from .plot import plot_schemes  # noqa: F401  (public here too)
 
 # `--scheme all`: the three schemes, plus per-tensor weights with per-tensor activations, the

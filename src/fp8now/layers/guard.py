@@ -27,6 +27,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from .embedding import Fp8Embedding
+from .linear import Fp8Linear
+from .moe import Fp8Experts
+
 ATTR = "_fp8now_guard"   # where a model (and each of its FP8 modules) keeps its guard
 
 
@@ -186,10 +190,6 @@ def _after_forward(module: nn.Module, args, output) -> None:
 
 
 def _fp8_modules(model: nn.Module) -> list[nn.Module]:
-    from .embedding import Fp8Embedding
-    from .linear import Fp8Linear
-    from .moe import Fp8Experts
-
     return [m for m in model.modules() if isinstance(m, (Fp8Linear, Fp8Experts, Fp8Embedding))]
 
 

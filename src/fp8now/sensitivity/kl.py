@@ -19,10 +19,10 @@ doubled the pass.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
+
+from ..kl_stats import mean_and_se
 
 
 MAGNIFY = 8.0   # the single-layer error's magnification; its KL is divided by MAGNIFY ** 2
@@ -77,10 +77,7 @@ class Reference:
 
 
 def stats(per_token: torch.Tensor, scale: float = 1.0) -> tuple[float, float]:
-    """(mean, standard error of the mean) of per-token values in float64, times `scale`. The error is the
-    sample standard deviation / sqrt(n), which equals llama.cpp's sqrt(population variance / (n - 1)) that
-    `fp8now eval` reports; 0 for fewer than 2 values."""
-    x = per_token.double()
-    n = x.numel()
-    se = float(x.std(correction=1)) / math.sqrt(n) if n > 1 else 0.0
-    return float(x.mean()) * scale, se * scale
+    """(mean, standard error of the mean) of per-token values, times `scale`: the statistics `fp8now eval`
+    reports (kl_stats.mean_and_se, llama.cpp's)."""
+    mean, se = mean_and_se(per_token)
+    return mean * scale, se * scale
