@@ -101,6 +101,23 @@ def kernel_times(fn) -> dict:
                             top=[dict(name=n, us=round(t, 1)) for t, n in top[:8]])}
 
 
+def with_table(loader, **fields):
+    """`loader`, then every FP8 linear of the model planned from Table(**fields) (kernels.plan): a plan
+    choice the defaults leave off (the producers' kernels, GEMMs quantizing inside), measured whole-model."""
+    from fp8now.kernels.plan import Table
+    from fp8now.layers.linear import Fp8Linear
+
+    def load(folder: Path, device: torch.device):
+        model, report = loader(folder, device)
+        table = Table(**fields)
+        for module in model.modules():
+            if isinstance(module, Fp8Linear):
+                module.use_table(table)
+        return model, report
+    load.warm = loader.warm
+    return load
+
+
 def implementations(args) -> dict:
     """impl name -> loader, filtered by --impls (an unknown name is an error listing the known ones)."""
     from fp8now.cli.bench_load import bf16_loader, fp8now_loader
@@ -111,6 +128,10 @@ def implementations(args) -> dict:
         impls.update({f"fp8now-{s}-fast": fp8now_loader(s, fast_accum=True) for s in schemes if s != "block"})
     if args.full:         # Fp8Config(head=True, embedding=True): lm_head and the embedding in FP8 too
         impls.update({f"fp8now-{s}-full": fp8now_loader(s, head=True, embedding=True) for s in schemes})
+    if args.producers:    # the RMSNorm and SiLU*up producers' kernels on (kernels.plan.PRODUCERS)
+        from fp8now.kernels.plan import PRODUCERS
+        impls.update({f"fp8now-{s}-prod": with_table(fp8now_loader(s), producer_kernels=PRODUCERS)
+                      for s in schemes})
     if args.torchao:
         impls.update({f"torchao-row{accum}{how}": torchao_loader(fast, compiled)
                       for how, compiled in TORCHAO_COMPILE[args.torchao_compile]
@@ -159,6 +180,8 @@ def main() -> None:
                     help="also fp8now-<scheme>-fast: tensor / channel with Fp8Config(fast_accum=True)")
     ap.add_argument("--full", action="store_true",
                     help="also fp8now-<scheme>-full: the output head and the input embedding in FP8 too")
+    ap.add_argument("--producers", action="store_true",
+                    help="also fp8now-<scheme>-prod: the RMSNorm and SiLU*up producer kernels on (off by default)")
     ap.add_argument("--impls", default="", help="only these implementations, e.g. bf16,fp8now-channel")
     ap.add_argument("--profile", action="store_true", help="GPU time per kernel family of every prefill and "
                     "decode row (torch.profiler; CUDA only)")
@@ -202,7 +225,8 @@ def main() -> None:
             path, key = reference_file(workdir, name, folder, opts)
             child = [sys.executable, os.path.abspath(__file__), "--schemes", args.schemes,
                      "--torchao-accum", args.torchao_accum, "--torchao-compile", args.torchao_compile,
-                     *["--torchao"] * args.torchao, *["--fast-accum"] * args.fast_accum, *["--full"] * args.full]
+                     *["--torchao"] * args.torchao, *["--fast-accum"] * args.fast_accum, *["--full"] * args.full,
+                     *["--producers"] * args.producers]
             result = measure(name, folder, impls, device, opts, emit, log, stored_reference(path, key),
                              kernel_times if args.profile else None,
                              lambda impl, reload, folder=folder: measure_alone(child, impl, folder, device, opts.cold,
