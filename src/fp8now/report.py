@@ -71,6 +71,8 @@ class LoadReport:
     None where Python has no `resource` module (Windows).
     cpu_quantizer: the activation quantizer of the cpu backend's layers per kind (`cpu_quantizer.install`);
     None without such layers.
+    cpu_weight_quantizer: which weight quantizer quantized the CPU weights, per weight dtype: compiled (its
+    error figures from the same pass) or torch ops, and why (`cpu_quantizer.weight_quantizer`); None: none.
     weight_numerics: Fp8Config.weight_numerics ("spec", or llm-compressor's rules), named in the summary.
     keep_bf16: under Fp8Config(keep_bf16=...), what it kept and its budget (sensitivity.keep.summary); else None.
     """
@@ -93,6 +95,7 @@ class LoadReport:
     device_bytes_at_start: int | None = None
     peak_host_rss_bytes: int | None = 0
     cpu_quantizer: str | None = None
+    cpu_weight_quantizer: str | None = None
     weight_numerics: str = "spec"
     keep_bf16: dict | None = None
     notices: list[str] = field(default_factory=list)   # other warnings: odd values, index or config (load.py)
@@ -142,6 +145,8 @@ class LoadReport:
                    else f"{_mib(self.peak_host_rss_bytes)} (process-wide maximum since start)")]
         if self.cpu_quantizer:
             lines.append(f"cpu activation quantizer: {self.cpu_quantizer}")
+        if self.cpu_weight_quantizer:
+            lines.append(f"cpu weight quantizer: {self.cpu_weight_quantizer}")
         if k := self.keep_bf16:
             lines.append(f"keep_bf16={k['keep_bf16']!r}: {len(k['layers'])} layers kept in bf16, {_mib(k['kept_bytes'])} "
                          f"of {_mib(k['total_bytes'])} quantizable; sensitivity scores {k['scores']}")

@@ -37,7 +37,8 @@ def fp8now_loader(scheme: str, fast_accum: bool = False, head: bool = False, emb
                   weight_numerics: str = "spec", keep_bf16: str | None = None) -> Loader:
     """fp8now.load of the folder with `scheme` and those Fp8Config fields, with load's defaults (the report's
     per-layer error figures included); its `warm` compiles the weight quantizer for the model's weight shapes
-    first, untimed."""
+    first, untimed (on a GPU Triton's kernels; on the CPU the compiled weight quantizer's library, which
+    `fp8now.load` itself builds only for loads of `cpu_quantizer.WEIGHT_BUILD_BYTES` or more)."""
     config = Fp8Config(scheme=scheme, fast_accum=fast_accum, head=head, embedding=embedding,
                        weight_numerics=weight_numerics, keep_bf16=keep_bf16)
 
@@ -53,6 +54,10 @@ def fp8now_loader(scheme: str, fast_accum: bool = False, head: bool = False, emb
         from ..hf.skeleton import build_skeleton
         from ..kernels import quantize_weight
 
+        if device.type == "cpu":   # the compiled CPU weight quantizer, built (once per machine) and opened
+            from ..layers.cpu_quantizer import weight_quantizer
+
+            weight_quantizer(config.scheme, 0, build=True)(torch.bfloat16)
         skeleton = build_skeleton(folder, torch.bfloat16)
         shapes = {tuple(m.weight.shape) for m in target_linears(skeleton, config)[0].values()}
         shapes |= {tuple(p.shape[1:]) for p in skeleton.parameters() if p.dim() == 3}   # fused experts

@@ -79,9 +79,16 @@ def file_name(kind: str, dtype: torch.dtype) -> str:
     file, torch, and the CPU: inductor compiles for the host's instruction set)."""
     if kind not in KINDS or dtype not in DTYPES:
         raise ValueError(f"no compiled quantizer for kind {kind!r} and dtype {dtype}")
-    h = hashlib.sha256(Path(__file__).read_bytes())
+    return f"widen-{kind}-{DTYPES[dtype]}-{digest(Path(__file__))}.so"
+
+
+def digest(*sources: Path) -> str:
+    """16 hex digits of the sources a library is built from, torch's version and this CPU."""
+    h = hashlib.sha256()
+    for source in sources:
+        h.update(source.read_bytes())
     h.update(f"{torch.__version__}|{platform.machine()}|{_cpu_identity()}".encode())
-    return f"widen-{kind}-{DTYPES[dtype]}-{h.hexdigest()[:16]}.so"
+    return h.hexdigest()[:16]
 
 
 def _cpu_identity() -> str:
@@ -97,12 +104,18 @@ def _cpu_identity() -> str:
 def build(kind: str, dtype: torch.dtype, target: Path) -> None:
     """Compile `Widen(kind)` for inputs of `dtype` into the shared library `target` (written beside it,
     then renamed into place). Raises whatever the export or the C++ build raises."""
+    x, dims = _example(kind, dtype)
+    build_library(Widen(kind), (x,), (dims,), target)
+
+
+def build_library(module: nn.Module, args: tuple, dynamic_shapes: tuple, target: Path) -> None:
+    """Export `module` on `args` with `dynamic_shapes` and compile it by AOTInductor into the shared library
+    `target` (written beside it, then renamed into place)."""
     import torch._inductor  # heavy; only here
 
-    x, dims = _example(kind, dtype)
     with warnings.catch_warnings(), tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         warnings.simplefilter("ignore")   # torch's deprecation notices about its own internals
-        program = torch.export.export(Widen(kind), (x,), dynamic_shapes=(dims,))
+        program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
         package = torch._inductor.aoti_compile_and_package(program, package_path=os.path.join(tmp, "w.pt2"))
         with zipfile.ZipFile(package) as z:
             libs = [n for n in z.namelist() if n.endswith(".so")]

@@ -128,7 +128,7 @@ class Fp8Linear(nn.Module):
         return self.backend is not None
 
     def load_(self, w: torch.Tensor, bias: torch.Tensor | None = None,
-              amax: torch.Tensor | None = None, checked: bool = False) -> None:
+              amax: torch.Tensor | None = None, checked: bool = False, quantizer=None) -> torch.Tensor | None:
         """Quantize a float weight `[N, K]` into this layer, in place when storage exists.
 
         On the meta device, storage is created on `w.device`; otherwise `w` is moved to the layer's
@@ -136,6 +136,8 @@ class Fp8Linear(nn.Module):
         `amax` (numerics.weight_amax's shape): the scale groups' amax to use instead of measuring
         it, e.g. the MAX over a tensor-parallel group (SPEC §6). Every input is checked before anything
         is written (the weight's NaN/Inf too, unless `checked`: the caller did, e.g. for many at once).
+        `quantizer`: a compiled CPU weight quantizer of this layer's scheme (`kernels.cpu_aot_weight`) for a
+        CPU weight, which also measures the error; returns its sums (`weight_error.error_stats`'), else None.
         """
         check_float_weight(w, self.name, (self.out_features, self.in_features))
         if self.bias is not None:
@@ -147,10 +149,13 @@ class Fp8Linear(nn.Module):
                                  "or re-export the weights (nothing of this layer was written)")
         device = w.device if self.weight.is_meta else self.weight.device
         w = w.to(device)
-        work = None
+        work = stats = None
         if device.type == "cpu" and amax is None and self.weight_numerics == "spec":
             # one pass: the bytes, the scales and the cpu backend's working copy (NaN/Inf checked by the amax)
-            q, s, work = cpu_wquant.quantize_weight(w, self.scheme, self.name or None)
+            if quantizer is not None and quantizer.scheme is self.scheme and quantizer.dtype == w.dtype:
+                q, s, work, stats = quantizer(w, self.name or None)
+            else:
+                q, s, work = cpu_wquant.quantize_weight(w, self.scheme, self.name or None)
         else:
             q, s = quantize_weight(w, self.scheme, self.name or None, self.weight_numerics, amax, checked)
         self.scale_dtype, s = s.dtype, s.float()   # float32 holds llm-compressor's bf16 scales exactly
@@ -170,6 +175,7 @@ class Fp8Linear(nn.Module):
             self.pick_backend(work)
         else:
             self._prepare(work)
+        return stats
 
     def pick_backend(self, work: torch.Tensor | None = None) -> str:
         """(Re)choose the backend for the layer's current device; call again after moving it. `work`: the cpu

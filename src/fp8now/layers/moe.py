@@ -132,13 +132,15 @@ class Fp8Experts(nn.Module):
 
     def load_(self, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None = None,
               b2: torch.Tensor | None = None, amax: dict[str, torch.Tensor] | None = None,
-              checked: bool = False) -> None:
+              checked: bool = False, quantizer=None) -> torch.Tensor | None:
         """Quantize float `w13 [E, 2I, H]`, `w2 [E, H, I]` (biases `[E, 2I]`, `[E, H]`) one expert at a
         time; in place when storage exists (same tensors, same data_ptr), else created on w13's device.
         `amax` {"w13"/"w2": [E, ...] numerics.weight_amax per expert}: scale amaxes to use instead of
         measuring them (tensor parallelism inside the experts: the MAX over the group, SPEC §6).
         Dtypes, shapes and NaN/Inf of every input are checked before anything is written (NaN/Inf with one
-        host sync for the whole layer; not again with `checked`: the caller did, e.g. for a whole reload)."""
+        host sync for the whole layer; not again with `checked`: the caller did, e.g. for a whole reload).
+        `quantizer`: a compiled CPU weight quantizer of this scheme (`kernels.cpu_aot_weight`), which also
+        measures the error: returns its sums of the padded matrices `[E, 2 (w13, w2), 7]`, else None."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         check_float_weight(w13, f"{self.name}.w13", (e, 2 * i, h))
         check_float_weight(w2, f"{self.name}.w2", (e, h, i))
@@ -155,8 +157,11 @@ class Fp8Experts(nn.Module):
         p13, p2 = self.padded(w13.to(device), w2.to(device))
         # On a CPU, one pass per expert gives the bytes, the scales and the cpu backend's working copy.
         fast = device.type == "cpu" and amax is None and self.weight_numerics == "spec"
+        compiled = quantizer if (fast and quantizer is not None and quantizer.scheme is self.scheme
+                                 and quantizer.dtype == p13.dtype) else None
+        stats = torch.empty(e, 2, 7, dtype=torch.float64) if compiled is not None else None
         works = {}
-        for leaf, w in (("w13", p13), ("w2", p2)):
+        for j, (leaf, w) in enumerate((("w13", p13), ("w2", p2))):
             if getattr(self, leaf).is_meta:
                 setattr(self, leaf, nn.Parameter(torch.empty(w.shape, dtype=E4M3FN.dtype, device=device),
                                                  requires_grad=False))
@@ -169,6 +174,12 @@ class Fp8Experts(nn.Module):
                 works[leaf] = old if old is not None and old.shape == w.shape else torch.empty(w.shape, dtype=cpu.WORK_DTYPE)
             for x in range(e):
                 what = f"{self.name}.{leaf}[{x}]"
+                if compiled is not None:
+                    q, s, work, stats[x, j] = compiled(w[x], what)
+                    q_all.data[x].copy_(q)
+                    works[leaf][x].copy_(work)
+                    s_all.data[x].copy_(s.reshape(s_all.shape[1:]))
+                    continue
                 if fast:   # NaN/Inf were checked above (or by the caller): the live storage may be written
                     _, s, _ = cpu_wquant.quantize_weight(w[x], self.scheme, what, q_out=q_all.data[x],
                                                          work_out=works[leaf][x])
@@ -189,6 +200,7 @@ class Fp8Experts(nn.Module):
                 else:
                     old.data.copy_(b)
         self._pick_backend(works or None)
+        return stats
 
     def install_(self, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor) -> None:
         """Take already quantized tensors in the stored layout (`w13 [E, 2Ip, Hp]` FP8, float32 scales), as

@@ -136,9 +136,10 @@ class ExpertsLoad:
         return set(self.parts)
 
     def add(self, fused: str, key: str, t: torch.Tensor, path: Path | str, device: torch.device,
-            dtype: torch.dtype, pending: list | None) -> bool:
+            dtype: torch.dtype, pending: list | None, quantizer=None) -> bool:
         """Keep `t`; when the layer of `fused` is complete, quantize it, add its row (its error sums into
-        `pending`, when given) and return True. `path`: where `t` comes from (its file, or the call)."""
+        `pending`, when given) and return True. `path`: where `t` comes from (its file, or the call).
+        `quantizer(w)`: the compiled CPU weight quantizer for weight `w` (or None), for whole layers only."""
         name, _ = self.fused[fused]
         leaf = fused.rsplit(".", 1)[1]
         held = self.pending.setdefault(name, {})
@@ -159,16 +160,18 @@ class ExpertsLoad:
         for lf, shape in leaves.items():
             check_float_weight(tensors[lf], f"{name}.{lf}", shape)
         w13, w2, b13, b2 = hf_to_fused(layout, *(tensors.get(lf) for lf in (*FUSED_LEAVES, *BIAS_LEAVES)))
-        load = partial(layer.load_, checked=self.checked) if self.tp is None else partial(self.tp.load, layer)
+        w13, w2 = w13.to(device), w2.to(device)
+        compiled = None if self.tp is not None or quantizer is None else quantizer(w13)
+        load = (partial(layer.load_, checked=self.checked, quantizer=compiled) if self.tp is None
+                else partial(self.tp.load, layer))
         try:
-            load(w13.to(device), w2.to(device), *(None if b is None else b.to(device=device, dtype=dtype)
-                                                  for b in (b13, b2)))
+            stats = load(w13, w2, *(None if b is None else b.to(device=device, dtype=dtype) for b in (b13, b2)))
         except NonFiniteExperts as e:
             raise ValueError(f"{path}: {self._nonfinite_text(name, e.where)} contains NaN or Inf; fix or "
                              "re-export the weights (nothing of this experts module was written)") from None
         except ValueError as e:
             raise ValueError(f"{path}: experts {name}: {e}") from None
-        self.rows.append(experts_row(layer, w13, w2, pending))
+        self.rows.append(experts_row(layer, w13, w2, pending, stats if compiled is not None else None))
         return True
 
     def _patterns(self, parts: dict) -> list[str]:

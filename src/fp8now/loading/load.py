@@ -18,8 +18,10 @@ from ..config import Fp8Config
 from ..hf.names import model_key
 from ..hf.folder import check_folder
 from ..hf.skeleton import auto_map_notice, build_skeleton, read_raw_config
-from ..layers.cpu_quantizer import install as install_cpu_quantizer
+from ..layers.cpu_quantizer import install as install_cpu_quantizer, weight_quantizer
 from ..layers.guard import install as install_guard
+from ..layers.linear import Fp8Linear
+from ..layers.moe import Fp8Experts
 from ..layers.shared_input import share_inputs
 from ..report import LoadReport
 from .devices import resolve_device
@@ -87,7 +89,12 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
         plan = plan_quantize(model, config, str(model_dir), dtype, tp_plan=tp_plan, tp_group=tp_group,
                              moe_parallel=moe_parallel)
         what = str(model_dir)
-    sinks = Sinks(plan, device, dtype, measure_error)
+    quantizers = None
+    if device.type == "cpu" and quantization is None:   # the weights quantized here, by the compiled quantizer?
+        work = dtype.itemsize * sum(m.weight.numel() if isinstance(m, Fp8Linear) else m.w13.numel() + m.w2.numel()
+                                    for m in model.modules() if isinstance(m, (Fp8Linear, Fp8Experts)))
+        quantizers = weight_quantizer(plan.scheme, work)
+    sinks = Sinks(plan, device, dtype, measure_error, quantizers=quantizers)
     stream_files(plan, source, sinks)
     finish(model, device, str(model_dir))
     share_inputs(model)
@@ -95,6 +102,7 @@ def load(model_dir: str | Path, config: Fp8Config | None = None,
     report = build_report(model, sinks.rows, plan.ignored, what, device, dtype, plan.scheme,
                           plan.weight_numerics)
     report.cpu_quantizer = install_cpu_quantizer(model, dtype)
+    report.cpu_weight_quantizer = sinks.quantizer_note()
     add_experts(report, model, plan.experts.rows if plan.experts is not None else plan.adopted.experts.rows)
     report.skipped_tensors = sinks.skipped
     report.notices = [n for n in (auto_map_notice(model_dir, raw),) if n] + source.notices + sinks.absurd

@@ -49,12 +49,16 @@ def resolve(pending: list[Pending]) -> None:
     pending.clear()
 
 
-def layer_row(layer: Fp8Linear, w: torch.Tensor | None, pending: list[Pending]) -> LayerRow:
-    """The report row of a quantized layer; with its float weight `w`, its error figures too (pending)."""
+def layer_row(layer: Fp8Linear, w: torch.Tensor | None, pending: list[Pending],
+              stats: torch.Tensor | None = None) -> LayerRow:
+    """The report row of a quantized layer; with its float weight `w`, its error figures too (pending): from
+    `stats` when its quantizer measured them (`error_stats`' sums), else measured here."""
     row = LayerRow(layer.name, layer.scheme.value, layer.backend or "?", layer.out_features, layer.in_features,
                    layer.bias is not None, None, None, plan=plan_names(layer))
     if w is not None:
-        pending.append(Pending(row, error_stats(w, layer.weight, layer.weight_scale, layer.scheme), layer.scheme))
+        if stats is None:
+            stats = error_stats(w, layer.weight, layer.weight_scale, layer.scheme)
+        pending.append(Pending(row, stats, layer.scheme))
     return row
 
 
@@ -73,14 +77,17 @@ def embedding_row(layer: Fp8Embedding, w: torch.Tensor | None, pending: list[Pen
     return row
 
 
-def experts_row(layer: Fp8Experts, w13: torch.Tensor, w2: torch.Tensor, pending: list[Pending] | None
-                ) -> ExpertsRow:
+def experts_row(layer: Fp8Experts, w13: torch.Tensor, w2: torch.Tensor, pending: list[Pending] | None,
+                stats: torch.Tensor | None = None) -> ExpertsRow:
     """The report row of a loaded experts layer; with `pending`, per expert the SQNR of its worse matrix (w13 or
-    w2), the minimum and the median over the experts (pending)."""
+    w2), the minimum and the median over the experts (pending): from `stats` `[E, 2, 7]` when the quantizer
+    measured them, else measured here."""
     row = ExpertsRow(layer.name, layer.num_experts, layer.hidden_size, layer.intermediate_size, layer.scheme.value,
                      layer.backend or "?", layer.w13_bias is not None, None, None, layer.act_kind,
                      expert_plan_names(layer))
-    if pending is not None:
+    if pending is not None and stats is not None:
+        pending.append(Pending(row, stats, layer.scheme))
+    elif pending is not None:
         p13, p2 = layer.padded(w13.to(layer.w13.device), w2.to(layer.w2.device))
         stats = torch.stack([error_stats(p13, layer.w13, layer.w13_scale, layer.scheme),
                              error_stats(p2, layer.w2, layer.w2_scale, layer.scheme)], dim=1)   # [E, 2, 7]

@@ -54,8 +54,11 @@ class Sinks:
     before the first write; otherwise plain tensors are checked as they arrive (`deferred`: all at the end)."""
 
     def __init__(self, plan, device: torch.device | None, dtype: torch.dtype | None, measure: bool, *,
-                 plain: str = "store", whole: bool = False, checked: bool = False, deferred: bool = True) -> None:
+                 plain: str = "store", whole: bool = False, checked: bool = False, deferred: bool = True,
+                 quantizers=None) -> None:
         self.plan, self.device, self.dtype, self.measure = plan, device, dtype, measure
+        self.quantizers = quantizers   # dtype -> (compiled CPU weight quantizer or None, note): cpu_quantizer
+        self.chosen: dict[torch.dtype, tuple] = {}   # weight dtype -> (the CPU quantizer or None, note)
         self.plain, self.whole, self.checked, self.deferred = plain, whole, checked, deferred
         if plan.experts is not None:
             plan.experts.checked = checked
@@ -130,8 +133,9 @@ class Sinks:
             self.finite.add(w, f"{wwhere}: tensor {wkey!r}", warn=not self._flush_rows)
         tp = self.plan.tp
         try:
+            stats = None
             if tp is None:
-                layer.load_(w, b, checked=self.checked or later)
+                stats = layer.load_(w, b, checked=self.checked or later, quantizer=self._quantizer(w))
             elif self.whole:
                 tp.reload_layer(layer, w, b)   # slice, then the SPEC §6 scales
             else:
@@ -142,10 +146,24 @@ class Sinks:
             self.finite.add_peak(scale_peak(layer.weight_scale), f"{wwhere}: tensor {wkey!r}")
         self.updated.append(layer.name)
         if self.plain != "copy":
-            self.rows.append(layer_row(layer, w if self.measure else None, self.figures))
+            self.rows.append(layer_row(layer, w if self.measure else None, self.figures, stats))
         nbytes, device = w.numel() * w.element_size(), w.device
         del w
         self._freed(nbytes, device)
+
+    def quantizer_note(self) -> str | None:
+        """What quantized the CPU weights, per weight dtype (the load report's `cpu_weight_quantizer`)."""
+        if not self.chosen:
+            return None
+        return "; ".join(f"{str(dtype).removeprefix('torch.')}: {note}" for dtype, (_, note) in self.chosen.items())
+
+    def _quantizer(self, w: torch.Tensor):
+        """The compiled CPU weight quantizer for `w` (None: none, or not a CPU weight): asked once per dtype."""
+        if self.quantizers is None or w.device.type != "cpu":
+            return None
+        if w.dtype not in self.chosen:
+            self.chosen[w.dtype] = self.quantizers(w.dtype)
+        return self.chosen[w.dtype][0]
 
     def _freed(self, nbytes: int, device: torch.device) -> None:
         """A layer's float weights were dropped: give the host heap back every TRIM_EVERY_BYTES of them (a GPU
@@ -165,7 +183,7 @@ class Sinks:
         dtype = self.dtype or (layer.w13_bias.dtype if layer.w13_bias is not None else layer.w13.dtype)
         with torch.no_grad():
             if experts.add(d.name, key, t, where, device, dtype,
-                           self.figures if self.measure and self.plain != "copy" else None):
+                           self.figures if self.measure and self.plain != "copy" else None, self._quantizer):
                 self.updated.append(layer.name)
                 self._freed(2 * (layer.w13.numel() + layer.w2.numel()), layer.w13.device)
                 self.finite.add_peak(scale_peak(layer.w13_scale, layer.w2_scale), f"{where}: experts {layer.name}")
