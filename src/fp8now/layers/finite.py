@@ -18,6 +18,9 @@ def peak_abs(t: torch.Tensor) -> torch.Tensor:
     """max |t| as a float32 scalar on t's device, NaN when t holds NaN and inf when it holds an infinity;
     chunked, so its temporaries stay small whatever the tensor."""
     flat = t.reshape(-1)
+    if flat.numel() <= _CHUNK and flat.element_size() > 1:   # most tensors: one pass, fewer small ops
+        lo, hi = torch.aminmax(flat)
+        return torch.maximum(hi, -lo).float()
     peak = None
     for i in range(0, flat.numel(), _CHUNK):
         part = flat[i:i + _CHUNK]
@@ -30,6 +33,8 @@ def peak_abs(t: torch.Tensor) -> torch.Tensor:
 def scale_peak(*scales: torch.Tensor) -> torch.Tensor:
     """The largest |w| an FP8 layer's scales stand for (the largest scale x 448), as a float32 scalar: the
     magnitude check of a quantized weight, from its scales alone (no pass over the weight)."""
+    if len(scales) == 1:
+        return scales[0].detach().amax().float() * E4M3FN.fmax
     return torch.stack([s.detach().amax().float() for s in scales]).amax() * E4M3FN.fmax
 
 

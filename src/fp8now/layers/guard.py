@@ -157,9 +157,10 @@ class Guard:
                                    f"{timeout} s; nothing of this call was applied")
             self._writer = me
         try:
-            _synchronize(model)
+            devices = _cuda_devices(model)
+            _synchronize(devices)
             yield
-            _synchronize(model)
+            _synchronize(devices)
         finally:
             with self._cond:
                 self._writer = None
@@ -172,9 +173,15 @@ class Guard:
             self._torn = message
 
 
-def _synchronize(model: nn.Module) -> None:
-    """Wait for the kernels queued on every CUDA device the model uses (all streams)."""
-    devices = {p.device for p in model.parameters() if p.device.type == "cuda"}
+def _cuda_devices(model: nn.Module) -> set[torch.device]:
+    """The CUDA devices holding the model's parameters (none without a CUDA context in this process: no walk)."""
+    if not torch.cuda.is_initialized():
+        return set()
+    return {p.device for p in model.parameters() if p.device.type == "cuda"}
+
+
+def _synchronize(devices: set[torch.device]) -> None:
+    """Wait for the kernels queued on each of these CUDA devices (all streams)."""
     for device in devices:
         torch.cuda.synchronize(device)
 
