@@ -188,5 +188,6 @@ def memory_summary(report, rss_after_load: int | None) -> str:
         f"left alone: {len(report.ignored)} ({left})",
         "backends: " + ", ".join(f"{name} x{count}" for name, count in sorted(backends.items())),
         *([f"cpu activation quantizer: {report.cpu_quantizer}"] if report.cpu_quantizer else []),
+        *([f"cpu weight quantizer: {report.cpu_weight_quantizer}"] if report.cpu_weight_quantizer else []),
         *(line for line in report.summary_lines() if line.startswith("WARNING")),
     ])
