@@ -124,3 +124,37 @@ def test_a_key_the_header_lacks_is_named_with_the_file(tmp_path):
     _checkpoint(tmp_path, "a", seed=6)
     with pytest.raises(ValueError, match=r"a\.safetensors"):
         items_of(tmp_path / "a.safetensors", ["a.t0", "no.such.tensor"])
+
+
+def test_small_tensors_back_to_back_are_read_as_runs_and_yielded_as_their_own_copies(tmp_path):
+    """In file order, consecutive small tensors are read as one run (bounded bytes, each at an offset its dtype
+    can be viewed at: mixed dtypes cut a run where a float32 would start at an odd 2-byte offset); every tensor
+    still equals safetensors' reading, holds its own storage (no run buffer kept alive by a small tensor), and
+    writing one changes no other."""
+    from fp8now.loading.reader import _runs
+
+    g = torch.Generator().manual_seed(11)
+    tensors = {}
+    for i in range(60):
+        dtype = [torch.bfloat16, torch.float32, torch.uint8, torch.float16][i % 4]
+        tensors[f"e{i:02d}"] = _random((int(torch.randint(1, 40, (1,), generator=g)),), dtype, g)
+    path = tmp_path / "many.safetensors"
+    save_file(tensors, str(path))
+    expected = load_file(str(path))
+    items = sorted(items_of(path, list(tensors)), key=lambda i: i.offset)   # file order: back to back
+    for limit in (64, 300, 1 << 20):
+        runs = _runs(items, limit)
+        assert [i for run in runs for i in run] == items
+        for run in runs:
+            assert len(run) == 1 or sum(i.nbytes for i in run) <= limit
+            for a, b in zip(run, run[1:]):
+                assert b.offset == a.offset + a.nbytes and (b.offset - run[0].offset) % b.dtype.itemsize == 0
+        if limit == 1 << 20:
+            assert len(runs) < len(items) // 4   # most tensors share a read
+    got = list(Reader(torch.device("cpu"), threads=2, run=1 << 20).read(items))
+    assert [i.key for i, _ in got] == [i.key for i in items]
+    for item, t in got:
+        assert _same(t, expected[item.key]), item.key
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), item.key
+    got[0][1].reshape(-1).view(torch.uint8).fill_(0xCD)
+    assert all(_same(t, expected[i.key]) for i, t in got[1:])

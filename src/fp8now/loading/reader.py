@@ -30,6 +30,9 @@ CHUNK = {"cpu": 32 << 20, "cuda": 8 << 20}
 # beside the layer it quantizes, a GPU load on the device (its pinned staging is as large, IN_FLIGHT / CHUNK
 # reads at once).
 IN_FLIGHT = {"cpu": 16 << 20, "cuda": 64 << 20}
+# At most this many bytes of small tensors lying back to back in a file are read as one run (each then
+# yielded as its own copy): per-expert tensors of MoE checkpoints come by the ten thousand.
+RUN = {"cpu": 4 << 20, "cuda": 16 << 20}
 
 
 @dataclass(frozen=True)
@@ -84,13 +87,15 @@ class Reader:
     filled through pinned staging chunks (as many bytes as `in_flight`)."""
 
     def __init__(self, device: torch.device, threads: int | None = None, in_flight: int | None = None,
-                 chunk: int | None = None) -> None:
+                 chunk: int | None = None, run: int | None = None) -> None:
         self.device = torch.device(device)
         self.threads = threads or (min(8, os.cpu_count() or 2) if self.device.type == "cuda" else 1)
         kind = self.device.type if self.device.type in IN_FLIGHT else "cpu"
         in_flight = IN_FLIGHT[kind] if in_flight is None else in_flight
         chunk = CHUNK[kind] if chunk is None else chunk
         self.in_flight, self.chunk = max(in_flight, chunk), chunk
+        # small tensors lying back to back are read as one (fewer reads, copies and thread hops per tensor)
+        self.run_bytes = min(RUN[kind] if run is None else run, self.in_flight)
         self.cuda = self.device.type == "cuda"
         self.peak_in_flight = 0   # the most host bytes held at once (what the bound is tested against)
 
@@ -98,27 +103,38 @@ class Reader:
         fds: dict[Path, int] = {}
         staging = _Staging(self.in_flight, self.chunk) if self.cuda else None
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fp8now-read")
-        queue: deque[tuple[Item, torch.Tensor, list[Future]]] = deque()
+        queue: deque[tuple[list[Item], torch.Tensor, list[Future]]] = deque()
+        runs = _runs(items, self.run_bytes)
         held, nxt = 0, 0
         try:
-            while nxt < len(items) or queue:
-                while nxt < len(items) and (not queue or held + self._cost(items[nxt]) <= self.in_flight):
-                    item = items[nxt]
+            while nxt < len(runs) or queue:
+                while nxt < len(runs) and (not queue or held + _cost(runs[nxt]) <= self.in_flight):
+                    run = runs[nxt]
                     nxt += 1
-                    if item.path not in fds:
-                        fds[item.path] = os.open(item.path, os.O_RDONLY)
-                    out, futures = self._schedule(pool, fds[item.path], item, staging)
-                    queue.append((item, out, futures))
-                    held += self._cost(item)
+                    path = run[0].path
+                    if path not in fds:
+                        fds[path] = os.open(path, os.O_RDONLY)
+                    out, futures = self._schedule(pool, fds[path], run, staging)
+                    queue.append((run, out, futures))
+                    held += _cost(run)
                     self.peak_in_flight = max(self.peak_in_flight, held)
-                item, out, futures = queue.popleft()
+                run, out, futures = queue.popleft()
                 try:
                     for fut in futures:
                         fut.result()
                 except (OSError, ValueError) as e:
-                    raise corrupt_error(item.path, e) from None
-                held -= self._cost(item)
-                yield item, out.view(item.dtype).reshape(item.shape)
+                    if len(run) == 1:
+                        raise corrupt_error(run[0].path, e) from None
+                    # a run that failed: its tensors one at a time, so those before the bad one still arrive
+                    for item in run:
+                        yield item, self._read_one(fds[item.path], item)
+                    raise corrupt_error(run[0].path, e) from None   # not reached: a tensor above raised
+                held -= _cost(run)
+                start = run[0].offset
+                for item in run:   # several small tensors read as one: each yielded as its own copy
+                    t = out[item.offset - start:item.offset - start + item.nbytes]
+                    t = t.view(item.dtype).reshape(item.shape)
+                    yield item, t.clone() if len(run) > 1 else t
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             for fd in fds.values():
@@ -126,17 +142,48 @@ class Reader:
             if staging is not None:
                 staging.close()
 
-    def _cost(self, item: Item) -> int:
-        """Bytes an item holds while in flight: the tensor itself (in host memory, or on the GPU)."""
-        return item.nbytes
+    def _read_one(self, fd: int, item: Item) -> torch.Tensor:
+        """One tensor, read now on this thread (a failed run's tensors, one by one)."""
+        host = torch.empty(item.nbytes, dtype=torch.uint8)
+        try:
+            _read_into(fd, item.offset, memoryview(host.numpy()), item.key)
+        except (OSError, ValueError) as e:
+            raise corrupt_error(item.path, e) from None
+        return host.to(self.device).view(item.dtype).reshape(item.shape)
 
-    def _schedule(self, pool: ThreadPoolExecutor, fd: int, item: Item, staging) -> tuple[torch.Tensor, list[Future]]:
-        out = torch.empty(item.nbytes, dtype=torch.uint8, device=self.device)
-        spans = [(a, min(a + self.chunk, item.nbytes)) for a in range(0, item.nbytes, self.chunk)] or [(0, 0)]
+    def _schedule(self, pool: ThreadPoolExecutor, fd: int, run: list[Item], staging
+                  ) -> tuple[torch.Tensor, list[Future]]:
+        nbytes, offset = _cost(run), run[0].offset
+        key = run[0].key if len(run) == 1 else f"{run[0].key} (read with {len(run) - 1} tensors after it)"
+        out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        spans = [(a, min(a + self.chunk, nbytes)) for a in range(0, nbytes, self.chunk)] or [(0, 0)]
         if staging is None:
             view = memoryview(out.numpy())
-            return out, [pool.submit(_read_into, fd, item.offset + a, view[a:b], item.key) for a, b in spans]
-        return out, [pool.submit(staging.copy, fd, item.offset + a, out[a:b], item.key) for a, b in spans]
+            return out, [pool.submit(_read_into, fd, offset + a, view[a:b], key) for a, b in spans]
+        return out, [pool.submit(staging.copy, fd, offset + a, out[a:b], key) for a, b in spans]
+
+
+def _cost(run: list[Item]) -> int:
+    """Bytes a run holds while in flight: its tensors (in host memory, or on the GPU)."""
+    return sum(item.nbytes for item in run)
+
+
+def _runs(items: list[Item], limit: int) -> list[list[Item]]:
+    """`items` in order, cut into runs read as one: consecutive tensors of one file lying back to back, each
+    at an offset within the run that its dtype allows viewing, together at most `limit` bytes (a tensor of
+    `limit` or more is a run of its own)."""
+    runs: list[list[Item]] = []
+    size = 0   # bytes of the last run
+    for item in items:
+        run = runs[-1] if runs else None
+        if (run is not None and item.path == run[-1].path and item.offset == run[-1].offset + run[-1].nbytes
+                and (item.offset - run[0].offset) % item.dtype.itemsize == 0 and size + item.nbytes <= limit):
+            run.append(item)
+            size += item.nbytes
+        else:
+            runs.append([item])
+            size = item.nbytes
+    return runs
 
 
 class _Staging:
