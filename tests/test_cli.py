@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,14 +19,6 @@ from tiny import write_tiny_checkpoint
 from test_evaluate import save_byte_tokenizer
 from test_models import embedded_model_dir, needs_gguf
 from hang import HANG_S
-
-
-def fp8now(*args: str, timeout: float = HANG_S) -> subprocess.CompletedProcess:
-    """Run `python -m fp8now ARGS` with the session's converted cache."""
-    path, _ = embedded_model_dir()
-    env = {**os.environ, "FP8NOW_CACHE": str(path.parent)}
-    return subprocess.run([sys.executable, "-m", "fp8now", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
 
 
 @pytest.fixture
