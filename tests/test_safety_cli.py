@@ -1,8 +1,9 @@
 """The CLI as a user meets it (issue 42), on tiny checkpoints: with --json a failure still prints one JSON object
 (command, error type, message) and keeps its exit status; quantize --json prints JSON and its text names the
 experts it wrote and what transformers cannot read; a tokenizer whose ids the model's vocabulary lacks fails at
-once, by name, in run and eval. One real subprocess per test (`cli`); the other calls through main() in this
-process (`here`, cli_here), reading the same stdout, stderr and status."""
+once, by name, in run and eval. eval's JSON error comes from a real subprocess (`cli`); the other calls go
+through main() in this process (`here`, cli_here; quantize runs as a real subprocess in test_export.py),
+reading the same stdout, stderr and status."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def test_a_tokenizer_beyond_the_models_vocabulary_fails_by_name(tmp_path, small_
 
 def test_quantize_json_and_text_name_the_experts_and_what_transformers_cannot_read(tmp_path, here):
     folder = save_moe("qwen3_moe", tmp_path, seed=4, moe_intermediate_size=256)
-    proc = cli("quantize", str(folder), "--scheme", "block", "--out", str(tmp_path / "text"))
+    proc = here("quantize", str(folder), "--scheme", "block", "--out", str(tmp_path / "text"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     first, *warning = proc.stdout.strip().splitlines()
     experts = json.loads((folder / "config.json").read_text())
