@@ -140,6 +140,27 @@ def check_split_run(data: dict, first_out: Path, work: Path, monkeypatch, capsys
            [r for r in data["rows"] if r["impl"] != "fp8now-block"]                         # the others kept
 
 
+def test_cli_bench_json_on_a_moe_folder(tmp_path):
+    from moe_tiny import save_moe
+
+    folder = save_moe("qwen3_moe", tmp_path, spread=1.0)
+    run = subprocess.run([sys.executable, "-m", "fp8now", "bench", str(folder), "--device", "cpu", "--scheme",
+                          "channel", "--json", *SMALL], env=ENV, capture_output=True, text=True, timeout=HANG_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads(run.stdout)
+    assert data["command"] == "bench" and data["model"] == str(folder) and data["device"] == "cpu"
+    entry = data["schemes"]["channel"]
+    assert entry["config"]["scheme"] == "channel" and entry["report"]["experts"]   # the experts were FP8
+    check_rows(data["results"]["rows"] + entry["results"]["rows"], {"bf16", "fp8now-channel"}, "qwen3_moe")
+
+
+def test_cli_bench_rejects_layers_for_a_folder(tmp_path, capsys):
+    from fp8now.cli.main import main
+
+    assert main(["bench", str(tmp_path), "--layers", "2"]) == 1
+    assert "--layers applies to the presets" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_decode_step_matches_a_full_forward(family):
     """The cached step's logits equal the last position's logits of one forward over context + token;
@@ -263,24 +284,3 @@ def test_unknown_impls_list_the_runs_names_before_anything_loads(tmp_path, monke
             bench_model_main(monkeypatch, "tiny", "--device", "cpu", "--workdir", work, "--schemes", *args)
         assert listed in str(e.value)
     assert not (tmp_path / "w").exists()   # nothing was written: the names were checked first
-
-
-def test_cli_bench_json_on_a_moe_folder(tmp_path):
-    from moe_tiny import save_moe
-
-    folder = save_moe("qwen3_moe", tmp_path, spread=1.0)
-    run = subprocess.run([sys.executable, "-m", "fp8now", "bench", str(folder), "--device", "cpu", "--scheme",
-                          "channel", "--json", *SMALL], env=ENV, capture_output=True, text=True, timeout=HANG_S)
-    assert run.returncode == 0, run.stderr[-3000:]
-    data = json.loads(run.stdout)
-    assert data["command"] == "bench" and data["model"] == str(folder) and data["device"] == "cpu"
-    entry = data["schemes"]["channel"]
-    assert entry["config"]["scheme"] == "channel" and entry["report"]["experts"]   # the experts were FP8
-    check_rows(data["results"]["rows"] + entry["results"]["rows"], {"bf16", "fp8now-channel"}, "qwen3_moe")
-
-
-def test_cli_bench_rejects_layers_for_a_folder(tmp_path, capsys):
-    from fp8now.cli.main import main
-
-    assert main(["bench", str(tmp_path), "--layers", "2"]) == 1
-    assert "--layers applies to the presets" in capsys.readouterr().err
