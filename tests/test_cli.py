@@ -41,7 +41,7 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
 @needs_gguf
 def test_run_generates_greedy_and_sampled_and_reports_memory(embedded):
     proc = embedded("run", "--scheme", "ptpc", "--prompt", "What is a licence?", "--max-new-tokens", "4",
-                  "--seed", "1", "--mode", "both")
+                    "--seed", "1", "--mode", "both")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "scheme: channel" in out and "--- greedy: " in out and "--- sampled (temperature 0.7, seed 1)" in out
@@ -71,7 +71,7 @@ def test_run_json_is_the_shared_shape(embedded):
 def test_eval_json_is_one_object_with_every_scheme(embedded, tmp_path):
     plot = tmp_path / "sqnr.png"
     proc = embedded("eval", "--scheme", "all", "--max-tokens", "256", "--seq-len", "128", "--json",
-                  "--plot", str(plot))
+                    "--plot", str(plot))
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)  # stdout holds the JSON object and nothing else
     assert tuple(res) == SCHEMA_KEYS and res["command"] == "eval"
