@@ -1,6 +1,7 @@
 """The whole-model benchmark on the CPU: benchmarks/bench_model.py and `fp8now bench` run for real as
-subprocesses (a tiny Llama preset written with save_pretrained, a tiny Qwen3-MoE folder), plus in-process
-checks of the decode step against a full forward, of the presets' shapes and of the ratio table."""
+subprocesses (a tiny Llama preset written with save_pretrained, a tiny Qwen3-MoE folder), their option errors
+and the split run through main() in this process, plus in-process checks of the decode step against a full
+forward, of the presets' shapes and of the ratio table."""
 
 import json
 import math
@@ -51,41 +52,92 @@ def check_rows(rows: list[dict], impls: set[str], model: str) -> None:
                 assert 1e-4 < r["kl"] < 1.0 and 0.5 <= r["top1"] <= 1.0 and r["tokens"] == 16
 
 
-def test_script_on_the_tiny_preset_and_a_split_run(tmp_path):
+ALL = ["bf16", "fp8now-channel", "fp8now-block", "fp8now-channel-full", "fp8now-channel-prod", "fp8now-channel-fast"]
+GOOD = set(ALL) - {"fp8now-channel-fast"}
+
+
+def bench_model_main(monkeypatch, *args: str) -> None:
+    """benchmarks/bench_model.py's main() in this process (the script runs as a subprocess in the test below)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "bench_model.py"), *args])
+    importlib.import_module("bench_model").main()
+
+
+def test_script_on_the_tiny_preset_every_variant_and_a_split_run(tmp_path, monkeypatch, capsys):
+    """benchmarks/bench_model.py on the tiny preset as a subprocess, once for all of its rows' checks, each variant
+    (--full, --producers, --fast-accum) adding its implementation to the same run: the file's meta; the bf16,
+    channel, block, -full and -prod rows sane (check_rows); channel's resident bytes against bf16's; the ratio
+    table; the preset written into --workdir; then check_variants and check_split_run on its output."""
     out, work = tmp_path / "model.json", tmp_path / "work"
-    run = script("tiny", "--device", "cpu", "--schemes", "channel,block", "--workdir", str(work),
-                 "--out", str(out), *SMALL)
+    run = script("tiny", "--device", "cpu", "--schemes", "channel,block", "--full", "--producers", "--fast-accum",
+                 "--impls", ",".join(ALL), "--workdir", str(work), "--out", str(out), *SMALL)
     assert run.returncode == 0, run.stderr[-3000:]
     data = json.loads(out.read_text())
     assert set(data) == {"meta", "rows"}
     assert set(data["meta"]) == {"date", "gpu", "torch", "triton", "commit", "command"}
     assert data["meta"]["gpu"] == "cpu" and "bench_model.py tiny" in data["meta"]["command"]
     rows = data["rows"]
-    check_rows(rows, {"bf16", "fp8now-channel", "fp8now-block"}, "tiny-2l")
-    load = {r["impl"]: round(r["resident_gb"] * 1e9) for r in rows if r["phase"] == "load"}
+    check_rows([r for r in rows if r["impl"] in GOOD], GOOD, "tiny-2l")
+    load = {r["impl"]: round(r["resident_gb"] * 1e9) for r in rows if r["phase"] == "load" and "error" not in r}
     # tiny preset, 2 layers: q, o [256, 256], k, v [128, 256], gate, up [512, 256], down [256, 512]. Channel on
     # the CPU holds per weight one FP8 byte and the cpu backend's bf16 working copy (2 bytes) instead of
     # bf16's 2 bytes, and one float32 scale per output row.
     weights = 256 * 256 * 2 + 128 * 256 * 2 + 512 * 256 * 3
     out_rows = 256 + 128 + 128 + 256 + 512 + 512 + 256
     assert load["fp8now-channel"] - load["bf16"] == 2 * (weights + 4 * out_rows)
-    table = run.stdout.splitlines()                      # the ratio table: speed-ups of both schemes
-    assert "fp8now-channel" in table[0] and "fp8now-block" in table[0]
-    assert len(re.findall(r"\d\.\d\dx", next(line for line in table if " prefill " in line))) == 2
+    table = run.stdout.splitlines()                      # the ratio table: speed-ups of every measured impl
+    assert all(impl in table[0] for impl in ALL)
+    prefill = next(line for line in table if " prefill " in line)
+    assert len(re.findall(r"\d\.\d\dx", prefill)) == 4 and prefill.rstrip().endswith("-")   # fast: no prefill
     assert (work / "tiny-2l-seed0" / "config.json").is_file()
+    check_variants(rows, load)
+    check_split_run(data, out, work, monkeypatch, capsys)
 
-    # A second call measures block again and adds to the file: the bf16 logits come from --workdir.
-    first_block = [r for r in rows if r["impl"] == "fp8now-block"]
-    again = script("tiny", "--device", "cpu", "--schemes", "channel,block", "--impls", "fp8now-block", "--add",
-                   "--workdir", str(work), "--out", str(out), *SMALL)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "writing preset" not in again.stderr and "bf16 reference" not in again.stderr
+
+def check_variants(rows: list[dict], load: dict) -> None:
+    """--full adds fp8now-<scheme>-full (Fp8Config(head=True, embedding=True)). On the tiny preset (vocabulary
+    512, hidden 256, untied) it holds, beside fp8now-channel: the embedding at 1 byte an element instead of 2, the
+    head at 1 byte plus the cpu backend's 2-byte working copy instead of 2, and one float32 scale per vocabulary
+    row for each: 8 bytes per row in all. --producers adds fp8now-<scheme>-prod (every FP8 linear planned with the
+    RMSNorm and SiLU*up producer kernels on); on the CPU those kernels do not run: channel's bytes and logits.
+    --fast-accum adds fp8now-<scheme>-fast for tensor and channel only (block has no fast mode); on the CPU their
+    load fails (alone, then in the run) as a row naming fast_accum (no backend has it), the others run."""
+    assert load["fp8now-channel-full"] - load["fp8now-channel"] == 8 * 512
+    assert load["fp8now-channel-prod"] == load["fp8now-channel"]
+    acc = {r["impl"]: (r["kl"], r["top1"]) for r in rows if r["phase"] == "accuracy"}
+    assert acc["fp8now-channel-full"][0] != acc["fp8now-channel"][0]
+    assert acc["fp8now-channel-prod"] == acc["fp8now-channel"]
+    fast = [x for x in rows if x["impl"] == "fp8now-channel-fast"]
+    assert fast and all(x["phase"] == "load" and "fast_accum" in x.get("error", "") for x in fast), fast
+    assert any(x["impl"] == "bf16" and "error" not in x for x in rows)
+
+
+def check_split_run(data: dict, first_out: Path, work: Path, monkeypatch, capsys) -> None:
+    """A second call (main() in this process) measures block's accuracy, prefill and decode again and adds to a
+    copy of the file: the bf16 logits and the preset come from --workdir; block's load and reload rows stay."""
+    out = first_out.with_name("split.json")
+    out.write_text(first_out.read_text())
+    first_block = [r for r in data["rows"] if r["impl"] == "fp8now-block"]
+    capsys.readouterr()
+    bench_model_main(monkeypatch, "tiny", "--device", "cpu", "--schemes", "channel,block", "--impls", "fp8now-block",
+                     "--add", "--phases", "accuracy,prefill,decode", "--workdir", str(work), "--out", str(out),
+                     *SMALL)
+    err = capsys.readouterr().err
+    assert "writing preset" not in err and "bf16 reference" not in err
     data2 = json.loads(out.read_text())
     assert " ; " in data2["meta"]["command"]
-    check_rows(data2["rows"], {"bf16", "fp8now-channel", "fp8now-block"}, "tiny-2l")
-    block = {r["phase"]: r for r in data2["rows"] if r["impl"] == "fp8now-block"}
-    assert len(block) == 5 and all(r not in first_block for r in block.values())   # one row per phase, all new
-    assert block["accuracy"]["kl"] == pytest.approx(next(r["kl"] for r in first_block if r["phase"] == "accuracy"))
+    check_rows([r for r in data2["rows"] if r["impl"] in GOOD], GOOD, "tiny-2l")
+    block = [r for r in data2["rows"] if r["impl"] == "fp8now-block"]
+    assert len({(r["phase"], r["batch"], r["seq"]) for r in block}) == len(block) == 6   # one row per case
+    again = [r for r in block if r["phase"] not in ("load", "reload")]
+    assert len(again) == 4 and all(r not in first_block for r in again)                 # measured again: new
+    assert [r for r in block if r not in again] == [r for r in first_block if r["phase"] in ("load", "reload")]
+    assert next(r["kl"] for r in again if r["phase"] == "accuracy") == pytest.approx(
+        next(r["kl"] for r in first_block if r["phase"] == "accuracy"))
+    assert [r for r in data2["rows"] if r["impl"] != "fp8now-block"] == \
+           [r for r in data["rows"] if r["impl"] != "fp8now-block"]                         # the others kept
 
 
 def test_cli_bench_json_on_a_moe_folder(tmp_path):
@@ -102,10 +154,11 @@ def test_cli_bench_json_on_a_moe_folder(tmp_path):
     check_rows(data["results"]["rows"] + entry["results"]["rows"], {"bf16", "fp8now-channel"}, "qwen3_moe")
 
 
-def test_cli_bench_rejects_layers_for_a_folder(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "fp8now", "bench", str(tmp_path), "--layers", "2"], env=ENV,
-                         capture_output=True, text=True, timeout=HANG_S)
-    assert run.returncode == 1 and "--layers applies to the presets" in run.stderr
+def test_cli_bench_rejects_layers_for_a_folder(tmp_path, capsys):
+    from fp8now.cli.main import main
+
+    assert main(["bench", str(tmp_path), "--layers", "2"]) == 1
+    assert "--layers applies to the presets" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
@@ -216,49 +269,18 @@ def test_agreement_against_a_direct_computation():
     assert out["top1"] == same / 8 and 0 < out["kl"] and same < 8
 
 
-def test_fast_accum_implementations(tmp_path):
-    """--fast-accum adds fp8now-<scheme>-fast for tensor and channel only (block has no fast mode); on the
-    CPU their load fails as a row naming fast_accum (no backend has it there), the others still run."""
-    ckpt = tmp_path / "m"
-    out = tmp_path / "fast.json"
-    r = script("tiny", "--device", "cpu", "--workdir", str(ckpt), "--out", str(out), "--schemes", "channel,block",
-               "--fast-accum", "--impls", "bf16,fp8now-channel-fast", "--phases", "load", *SMALL)
-    assert r.returncode == 0, r.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
-    fast = [x for x in rows if x["impl"] == "fp8now-channel-fast"]
-    assert fast and all("fast_accum" in x.get("error", "") for x in fast), fast
-    assert any(x["impl"] == "bf16" and "error" not in x for x in rows)
-    r = script("tiny", "--device", "cpu", "--workdir", str(ckpt), "--out", str(out), "--schemes", "channel,block",
-               "--fast-accum", "--impls", "fp8now-block-fast", *SMALL)
-    assert r.returncode != 0 and "fp8now-channel-fast" in r.stderr + r.stdout
-
-
-def test_full_implementations(tmp_path):
-    """--full adds fp8now-<scheme>-full (Fp8Config(head=True, embedding=True)), measured like the others. On
-    the tiny preset (vocabulary 512, hidden 256, untied) it holds, beside fp8now-channel: the embedding at 1 byte
-    an element instead of 2, the head at 1 byte plus the cpu backend's 2-byte working copy instead of 2, and
-    one float32 scale per vocabulary row for each: 8 bytes per row in all."""
-    out, work = tmp_path / "full.json", tmp_path / "work"
-    run = script("tiny", "--device", "cpu", "--workdir", str(work), "--out", str(out), "--schemes", "channel",
-                 "--full", "--impls", "bf16,fp8now-channel,fp8now-channel-full", *SMALL)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
-    check_rows(rows, {"bf16", "fp8now-channel", "fp8now-channel-full"}, "tiny-2l")
-    load = {r["impl"]: round(r["resident_gb"] * 1e9) for r in rows if r["phase"] == "load"}
-    assert load["fp8now-channel-full"] - load["fp8now-channel"] == 8 * 512
-    acc = {r["impl"]: r for r in rows if r["phase"] == "accuracy"}
-    assert acc["fp8now-channel-full"]["kl"] != acc["fp8now-channel"]["kl"]
-
-
-def test_torchao_peers_eager_and_compiled_are_named_apart(tmp_path):
+def test_unknown_impls_list_the_runs_names_before_anything_loads(tmp_path, monkeypatch):
     """--torchao's peers: per-row with fast (its default) and float32 accumulation, each eager and compiled
-    (`-compiled`; --torchao-compile picks). An unknown --impls lists the run's names before anything loads."""
+    (`-compiled`; --torchao-compile picks); --fast-accum's: tensor and channel only (no fp8now-block-fast). An
+    unknown --impls lists the run's names before anything loads or is written."""
     work = str(tmp_path / "w")
-    run = script("tiny", "--device", "cpu", "--workdir", work, "--schemes", "channel", "--torchao", "--impls", "x")
-    assert run.returncode != 0
     names = "bf16, fp8now-channel, torchao-row, torchao-row-f32acc, torchao-row-compiled, torchao-row-f32acc-compiled"
-    assert f"({names}; torchao's need --torchao)" in run.stderr
-    run = script("tiny", "--device", "cpu", "--workdir", work, "--schemes", "channel", "--torchao", "--torchao-compile",
-                 "compiled", "--torchao-accum", "fast", "--impls", "x")
-    assert "(bf16, fp8now-channel, torchao-row-compiled; " in run.stderr
+    for args, listed in ((("channel", "--torchao", "--impls", "x"), f"({names}; torchao's need --torchao)"),
+                         (("channel", "--torchao", "--torchao-compile", "compiled", "--torchao-accum", "fast",
+                           "--impls", "x"), "(bf16, fp8now-channel, torchao-row-compiled; "),
+                         (("channel,block", "--fast-accum", "--impls", "fp8now-block-fast"),
+                          "(bf16, fp8now-channel, fp8now-block, fp8now-channel-fast; ")):
+        with pytest.raises(SystemExit) as e:
+            bench_model_main(monkeypatch, "tiny", "--device", "cpu", "--workdir", work, "--schemes", *args)
+        assert listed in str(e.value)
     assert not (tmp_path / "w").exists()   # nothing was written: the names were checked first

@@ -1,16 +1,17 @@
-"""The `fp8now` command: real subprocesses on the embedded model, plus fast in-process checks on a tiny one."""
+"""The `fp8now` command on the embedded model and on a tiny one: `inspect --json` as a real subprocess, the rest
+through main() in this process (cli_here; run and eval run as real subprocesses in test_first_run.py)."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from cli_here import fp8now_here
 from fp8now.cli.main import main
 from fp8now.cli.output import SCHEMA_KEYS
 from tiny import write_tiny_checkpoint
@@ -20,12 +21,12 @@ from test_models import embedded_model_dir, needs_gguf
 from hang import HANG_S
 
 
-def fp8now(*args: str, timeout: float = HANG_S) -> subprocess.CompletedProcess:
-    """Run `python -m fp8now ARGS` with the session's converted cache."""
+@pytest.fixture
+def embedded(monkeypatch, capsys):
+    """`fp8now ARGS` in this process (cli_here) with the session's converted cache as FP8NOW_CACHE."""
     path, _ = embedded_model_dir()
-    env = {**os.environ, "FP8NOW_CACHE": str(path.parent)}
-    return subprocess.run([sys.executable, "-m", "fp8now", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+    monkeypatch.setenv("FP8NOW_CACHE", str(path.parent))
+    return lambda *args: fp8now_here(capsys, *args)
 
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -38,9 +39,9 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
 
 @pytest.mark.slow
 @needs_gguf
-def test_run_generates_greedy_and_sampled_and_reports_memory():
-    proc = fp8now("run", "--scheme", "ptpc", "--prompt", "What is a licence?", "--max-new-tokens", "4",
-                  "--seed", "1", "--mode", "both")
+def test_run_generates_greedy_and_sampled_and_reports_memory(embedded):
+    proc = embedded("run", "--scheme", "ptpc", "--prompt", "What is a licence?", "--max-new-tokens", "4",
+                    "--seed", "1", "--mode", "both")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "scheme: channel" in out and "--- greedy: " in out and "--- sampled (temperature 0.7, seed 1)" in out
@@ -51,8 +52,8 @@ def test_run_generates_greedy_and_sampled_and_reports_memory():
 
 @pytest.mark.slow
 @needs_gguf
-def test_run_json_is_the_shared_shape():
-    proc = fp8now("run", "--json", "--mode", "both", "--max-new-tokens", "3", "--seed", "2")
+def test_run_json_is_the_shared_shape(embedded):
+    proc = embedded("run", "--json", "--mode", "both", "--max-new-tokens", "3", "--seed", "2")
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)  # nothing but the JSON object on stdout
     assert tuple(res) == SCHEMA_KEYS and res["command"] == "run" and res["args"]["seed"] == 2
@@ -67,10 +68,10 @@ def test_run_json_is_the_shared_shape():
 
 @pytest.mark.slow
 @needs_gguf
-def test_eval_json_is_one_object_with_every_scheme(tmp_path):
+def test_eval_json_is_one_object_with_every_scheme(embedded, tmp_path):
     plot = tmp_path / "sqnr.png"
-    proc = fp8now("eval", "--scheme", "all", "--max-tokens", "256", "--seq-len", "128", "--json",
-                  "--plot", str(plot))
+    proc = embedded("eval", "--scheme", "all", "--max-tokens", "256", "--seq-len", "128", "--json",
+                    "--plot", str(plot))
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)  # stdout holds the JSON object and nothing else
     assert tuple(res) == SCHEMA_KEYS and res["command"] == "eval"
@@ -88,8 +89,8 @@ def test_eval_json_is_one_object_with_every_scheme(tmp_path):
 
 @pytest.mark.slow
 @needs_gguf
-def test_inspect_prints_the_load_report():
-    proc = fp8now("inspect", "--scheme", "fp8_block", "--layers")
+def test_inspect_prints_the_load_report(embedded):
+    proc = embedded("inspect", "--scheme", "fp8_block", "--layers")
     assert proc.returncode == 0, proc.stderr
     assert "model.layers.29.mlp.down_proj" in proc.stdout and "SQNR dB" in proc.stdout
     assert "quantized 210 layers (block)" in proc.stdout and "left alone: lm_head" in proc.stdout
@@ -97,16 +98,16 @@ def test_inspect_prints_the_load_report():
 
 @pytest.mark.slow
 @needs_gguf
-def test_bad_scheme_lists_the_valid_names():
-    line = one_error_line(fp8now("run", "--scheme", "int4"))
+def test_bad_scheme_lists_the_valid_names(embedded):
+    line = one_error_line(embedded("run", "--scheme", "int4"))
     assert "'int4'" in line and "ptpc" in line and "tensor-tensor" in line
 
 
 @pytest.mark.slow
 @needs_gguf
-def test_missing_model_folder_is_one_line(tmp_path):
+def test_missing_model_folder_is_one_line(embedded, tmp_path):
     missing = tmp_path / "no-such-model"
-    line = one_error_line(fp8now("inspect", str(missing)))
+    line = one_error_line(embedded("inspect", str(missing)))
     assert str(missing) in line and "does not exist" in line
 
 
@@ -169,12 +170,11 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(tiny_dir, capsys):
         main(["inspect", "/no/such/model", "--debug"])
 
 
-def test_another_tools_scheme_name_works_end_to_end(tiny_dir, tmp_path):
+def test_another_tools_scheme_name_works_end_to_end(tiny_dir, tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 4)
-    proc = subprocess.run([sys.executable, "-m", "fp8now", "eval", str(tiny_dir), "--scheme", "FP8_PER_TENSOR",
-                           "--text", str(text), "--seq-len", "90", "--device", "cpu", "--json"],
-                          capture_output=True, text=True, timeout=HANG_S)
+    proc = fp8now_here(capsys, "eval", str(tiny_dir), "--scheme", "FP8_PER_TENSOR", "--text", str(text),
+                       "--seq-len", "90", "--device", "cpu", "--json")
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)
     assert list(res["schemes"]) == ["tensor-tensor"]  # vLLM's fp8_per_tensor: per-tensor weights and activations
@@ -189,20 +189,19 @@ def test_bare_fp8_is_one_line_listing_each_tools_meaning(tiny_dir, capsys):
     assert "vLLM" in err and "FineGrainedFP8Config" in err and "llm-compressor" in err
 
 
-def test_inspect_names_each_layers_kernel_path(tiny_dir):
-    """`inspect --json` holds the report's `to_dict()` (strict JSON), whose layer rows map 1, 16 and
-    4096 tokens per call to the path that layer's calls run (on CPU: the cpu backend's quantizer and
-    bf16 GEMM); the text output lists the same paths."""
-    run = lambda *a: subprocess.run([sys.executable, "-m", "fp8now", "inspect", str(tiny_dir),  # noqa: E731
-                                     "--device", "cpu", *a], capture_output=True, text=True, timeout=HANG_S)
-    proc = run("--scheme", "block", "--json")
+def test_inspect_names_each_layers_kernel_path(tiny_dir, capsys):
+    """`inspect --json` (a real subprocess: stdout holds the JSON object alone) holds the report's `to_dict()`
+    (strict JSON), whose layer rows map 1, 16 and 4096 tokens per call to the path that layer's calls run (on
+    CPU: the cpu backend's quantizer and bf16 GEMM); the text output (main() here) lists the same paths."""
+    proc = subprocess.run([sys.executable, "-m", "fp8now", "inspect", str(tiny_dir), "--device", "cpu", "--scheme",
+                           "block", "--json"], capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)["schemes"]["block"]["report"]
     assert report["scheme"] == "block" and report["layers"]
     for row in report["layers"]:
         assert row["backend"] == "cpu"
         assert row["plan"] == {m: "cpu-group + bf16-matmul" for m in ("1", "16", "4096")}, row
-    text = run("--scheme", "channel")
+    text = fp8now_here(capsys, "inspect", str(tiny_dir), "--device", "cpu", "--scheme", "channel")
     assert text.returncode == 0, text.stderr
     assert "kernel plans (tokens per call: path)" in text.stdout
     assert "    4096: cpu-token + bf16-matmul" in text.stdout

@@ -128,16 +128,19 @@ def test_nothing_to_build_with(tmp_path, monkeypatch):
         load(folder, Fp8Config(), device="cpu", measure_error=False)
 
 
-def test_cli_run_says_which_quantizer_and_generates_the_same(tmp_path):
-    """`fp8now run --json` as a subprocess, compiled and torch ops: the same greedy text."""
+def test_cli_run_says_which_quantizer_and_generates_the_same(tmp_path, monkeypatch, capsys):
+    """`fp8now run --json` with the compiled quantizer as a subprocess (a fresh process finds and checks the
+    library), with torch ops through main() in this process (cli_here): the same greedy text."""
+    from cli_here import fp8now_here
     from test_evaluate import save_byte_tokenizer
     folder = write_tiny_checkpoint(tmp_path / "llama", "llama")
     save_byte_tokenizer(folder)
+    args = ("run", str(folder), "--max-new-tokens", "6", "--json")
+    compiled = subprocess.run([sys.executable, "-m", "fp8now", *args], capture_output=True, text=True,
+                              timeout=HANG_S, env={**os.environ, cpu_quantizer.ENV: "compiled"})
+    monkeypatch.setenv(cpu_quantizer.ENV, "torch")
     texts = {}
-    for how in ("compiled", "torch"):
-        proc = subprocess.run([sys.executable, "-m", "fp8now", "run", str(folder), "--max-new-tokens", "6",
-                               "--json"], capture_output=True, text=True, timeout=HANG_S,
-                              env={**os.environ, cpu_quantizer.ENV: how})
+    for how, proc in (("compiled", compiled), ("torch", fp8now_here(capsys, *args))):
         assert proc.returncode == 0, proc.stderr
         entry = json.loads(proc.stdout)["schemes"]["channel"]
         assert entry["report"]["cpu_quantizer"].startswith("token: compiled" if how == "compiled" else "torch ops")

@@ -1,4 +1,5 @@
-"""fp8now.save / `fp8now quantize`: round trips through both formats, and transformers as an independent reader."""
+"""fp8now.save / `fp8now quantize` (a real subprocess, and main() in this process for its refusal and the
+default model): round trips through both formats, and transformers as an independent reader."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from test_models import needs_gguf
+from cli_here import fp8now_here
+from test_models import embedded_model_dir, needs_gguf
 from tiny import write_tiny_checkpoint
 
 import fp8now
@@ -184,20 +186,21 @@ def test_cli_quantize_writes_what_load_gives(tiny_dir, tmp_path):
     assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128]
 
 
-def test_cli_quantize_refuses_before_loading(tiny_dir, tmp_path):
+def test_cli_quantize_refuses_before_loading(tiny_dir, tmp_path, capsys):
     from test_cli import one_error_line
 
-    line = one_error_line(run_cli("quantize", str(tiny_dir), "--format", "fp8", "--out", str(tmp_path / "o")))
+    line = one_error_line(fp8now_here(capsys, "quantize", str(tiny_dir), "--format", "fp8", "--out",
+                                      str(tmp_path / "o")))
     assert "cannot express the requested scheme: channel" in line
     assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow
 @needs_gguf
-def test_cli_quantize_embedded_model(tmp_path):
-    from test_cli import fp8now as fp8now_cli
-
-    proc = fp8now_cli("quantize", "--out", str(tmp_path / "smol"), "--device", "cpu")
+def test_cli_quantize_embedded_model(tmp_path, monkeypatch, capsys):
+    """The default model (no MODEL): main() in this process, with the session's converted cache."""
+    monkeypatch.setenv("FP8NOW_CACHE", str(embedded_model_dir()[0].parent))
+    proc = fp8now_here(capsys, "quantize", "--out", str(tmp_path / "smol"), "--device", "cpu")
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "smol"
     assert (out / "tokenizer.json").is_file() and (out / "model.safetensors").is_file()

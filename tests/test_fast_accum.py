@@ -2,19 +2,16 @@
 against the exact float64 product of the same FP8 operands (Triton's interpreter on CPU, tiny shapes;
 the H200 runs the `gpu` test at the end)."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from cli_here import fp8now_here
+from test_models import embedded_model_dir, needs_gguf
 
 from fp8now import Fp8Config, Fp8Linear, Scheme
 from fp8now import numerics as nu
 from fp8now.kernels import pick_backend
 from fp8now.kernels.plan import FAST_ACCUM_GEMMS, Table, plan
 from fp8_oracle import varied
-from hang import HANG_S
 
 W_GROUP = {"tensor": (-1, -1), "channel": (1, -1)}
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -84,15 +81,16 @@ def test_fp8linear_on_cpu_refuses_at_load():
 
 
 @pytest.mark.slow
-def test_cli_fast_accum_on_cpu_is_one_clear_error():
-    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"))
-    out = subprocess.run([sys.executable, "-m", "fp8now", "inspect", "--device", "cpu", "--fast-accum"],
-                         capture_output=True, text=True, env=env, timeout=HANG_S)
+@needs_gguf
+def test_cli_fast_accum_on_cpu_is_one_clear_error(monkeypatch, capsys):
+    """Through main() in this process (inspect and eval run as real subprocesses in test_cli.py and
+    test_first_run.py), on the default model from the session's converted cache."""
+    monkeypatch.setenv("FP8NOW_CACHE", str(embedded_model_dir()[0].parent))
+    out = fp8now_here(capsys, "inspect", "--device", "cpu", "--fast-accum")
     assert out.returncode == 1, out.stdout + out.stderr
     assert out.stderr.startswith("fp8now: error: no FP8 backend fits"), out.stderr
     assert "fast_accum=True" in out.stderr and "Traceback" not in out.stderr
-    block = subprocess.run([sys.executable, "-m", "fp8now", "eval", "--scheme", "block", "--fast-accum"],
-                           capture_output=True, text=True, env=env, timeout=HANG_S)
+    block = fp8now_here(capsys, "eval", "--scheme", "block", "--fast-accum")
     assert block.returncode == 1 and "does not apply to scheme 'block'" in block.stderr, block.stderr
 
 

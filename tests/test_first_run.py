@@ -1,6 +1,6 @@
-"""What a new user meets first, through the real CLI as a subprocess: the README snippet, errors for
-a folder without tokenizer and for a file given as MODEL, help texts with defaults, run's modes and
-figures, quiet progress bars when stderr is not a terminal."""
+"""What a new user meets first: the README snippet, run's figures and eval's quiet progress through the real CLI
+as a subprocess; run's other modes, errors for a folder without tokenizer and for a file given as MODEL, and
+help texts with defaults through main() in this process (cli_here)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_here import fp8now_here
 from tiny import write_tiny_checkpoint
 
 from test_cli import one_error_line
@@ -35,7 +36,9 @@ def tiny_dir(tmp_path_factory) -> Path:
     return path
 
 
-def test_run_modes_and_honest_figures(tiny_dir):
+def test_run_modes_and_honest_figures(tiny_dir, capsys):
+    """The default (greedy) run as a real subprocess: its load and RSS figures are its own process's; the
+    other modes through main() here."""
     greedy = cli("run", str(tiny_dir), "--max-new-tokens", "3", "--device", "cpu")   # default: greedy
     assert greedy.returncode == 0, greedy.stderr
     out = greedy.stdout
@@ -45,29 +48,29 @@ def test_run_modes_and_honest_figures(tiny_dir):
     assert load and peak, out
     assert float(load[1]) > 0 and float(load[3]) <= float(load[2]) <= float(peak[1])
     assert "backends: cpu x14" in out
-    both = cli("run", str(tiny_dir), "--max-new-tokens", "2", "--mode", "both", "--seed", "3")
+    both = fp8now_here(capsys, "run", str(tiny_dir), "--max-new-tokens", "2", "--mode", "both", "--seed", "3")
     assert both.returncode == 0, both.stderr
     assert "--- greedy: " in both.stdout and "--- sampled (temperature 0.7, seed 3)" in both.stdout
-    sampled = cli("run", str(tiny_dir), "--max-new-tokens", "2", "--mode", "sampled")
+    sampled = fp8now_here(capsys, "run", str(tiny_dir), "--max-new-tokens", "2", "--mode", "sampled")
     assert "--- greedy" not in sampled.stdout and "--- sampled" in sampled.stdout, sampled.stderr
 
 
-def test_missing_tokenizer_fails_before_any_weight_is_read(tmp_path):
+def test_missing_tokenizer_fails_before_any_weight_is_read(tmp_path, capsys):
     folder = write_tiny_checkpoint(tmp_path / "no-tokenizer", "llama")
     (folder / "model.safetensors").write_bytes(b"not a safetensors file")   # reading it would fail
-    line = one_error_line(cli("run", str(folder)))
+    line = one_error_line(fp8now_here(capsys, "run", str(folder)))
     assert str(folder) in line and "no tokenizer files" in line and "tokenizer.json" in line
     assert "safetensors" not in line.split("(none of")[0]
 
 
-def test_a_file_as_model_gets_its_own_message(tiny_dir):
-    line = one_error_line(cli("inspect", str(tiny_dir / "config.json")))
+def test_a_file_as_model_gets_its_own_message(tiny_dir, capsys):
+    line = one_error_line(fp8now_here(capsys, "inspect", str(tiny_dir / "config.json")))
     assert "is a file" in line and str(tiny_dir) in line and "does not exist" not in line
 
 
-def test_every_flag_shows_its_default():
+def test_every_flag_shows_its_default(capsys):
     for command in ("run", "eval", "inspect"):
-        proc = cli(command, "--help")
+        proc = fp8now_here(capsys, command, "--help")
         assert proc.returncode == 0
         # option entries start at two spaces; their help may wrap over several lines
         entries = re.split(r"\n  (?=[-A-Z])", proc.stdout.split("options:")[0].split("positional arguments:")[1]

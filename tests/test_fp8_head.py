@@ -9,7 +9,8 @@ import pytest
 import torch
 from fp8_oracle import exact_product, quantize_loops
 from safetensors.torch import load_file, save_file
-from test_export import file_tensors, logits, run_cli, same_bytes
+from cli_here import fp8now_here
+from test_export import file_tensors, logits, same_bytes
 from tiny import tiny_model, unique_state_dict, write_tiny_checkpoint
 from torch import nn
 
@@ -203,17 +204,19 @@ def test_config_flags_must_be_booleans():
 
 
 @pytest.mark.slow
-def test_cli_flags(dirs, tmp_path):
-    proc = run_cli("inspect", str(dirs[True]), "--device", "cpu", "--json", "--fp8-head", "--fp8-embedding")
+def test_cli_flags(dirs, tmp_path, capsys):
+    """--fp8-head and --fp8-embedding through main() in this process (inspect and quantize run as real
+    subprocesses in test_cli.py and test_export.py)."""
+    proc = fp8now_here(capsys, "inspect", str(dirs[True]), "--device", "cpu", "--json", "--fp8-head", "--fp8-embedding")
     assert proc.returncode == 0, proc.stderr
     entry = json.loads(proc.stdout)["schemes"]["channel"]
     assert entry["config"]["head"] is True and entry["config"]["embedding"] is True
     names = [row["name"] for row in entry["report"]["layers"]]
     assert names[0] == "model.embed_tokens" and names[-1] == "lm_head"
-    proc = run_cli("inspect", str(dirs[True]), "--device", "cpu", "--fp8-head")
+    proc = fp8now_here(capsys, "inspect", str(dirs[True]), "--device", "cpu", "--fp8-head")
     assert proc.returncode == 1 and "tied" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_cli("quantize", str(dirs[False]), "--fp8-embedding", "--out", str(tmp_path / "o"))
+    proc = fp8now_here(capsys, "quantize", str(dirs[False]), "--fp8-embedding", "--out", str(tmp_path / "o"))
     assert proc.returncode == 1 and "embedding=False" in proc.stderr and not (tmp_path / "o").exists()
-    proc = run_cli("quantize", str(dirs[False]), "--fp8-head", "--out", str(tmp_path / "h"))
+    proc = fp8now_here(capsys, "quantize", str(dirs[False]), "--fp8-head", "--out", str(tmp_path / "h"))
     assert proc.returncode == 0, proc.stderr
     assert file_tensors(tmp_path / "h")["lm_head.weight"].dtype == torch.float8_e4m3fn

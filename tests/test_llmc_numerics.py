@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +19,6 @@ from fp8now.layers.linear import Fp8Linear
 from fp8now.layers.moe import Fp8Experts
 from fp8now.loading.expert_files import PARTS, expert_modules, expert_tensors
 from test_models import embedded_model_dir, needs_gguf
-from hang import HANG_S
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llmc"
 CASES = [f"{key}-{scheme}" for key in llmc_tiny.MODELS for scheme in ("channel", "block")]
@@ -222,11 +218,14 @@ def test_triton_variant_gives_the_bytes_of_float32_division(inputs):
     assert moved > 0   # the two llm-compressor paths do differ
 
 
-def test_quantize_cli_writes_llm_compressor_checkpoint(inputs, tmp_path):
+def test_quantize_cli_writes_llm_compressor_checkpoint(inputs, tmp_path, capsys):
+    """`fp8now quantize --weight-numerics llm-compressor` through main() in this process (cli_here; quantize
+    runs as a real subprocess in test_export.py)."""
+    from cli_here import fp8now_here
+
     out = tmp_path / "llama-block"
-    proc = subprocess.run([sys.executable, "-m", "fp8now", "quantize", str(inputs["llama"]), "--scheme",
-                           "fp8_block", "--weight-numerics", "llm-compressor", "--device", "cpu", "--out", str(out)],
-                          capture_output=True, text=True, env=dict(os.environ), timeout=HANG_S)
+    proc = fp8now_here(capsys, "quantize", str(inputs["llama"]), "--scheme", "fp8_block", "--weight-numerics",
+                       "llm-compressor", "--device", "cpu", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"wrote {out}")
     compare_checkpoints(out, "llama-block")

@@ -1,5 +1,6 @@
-"""`fp8now run`, `eval` and `inspect` as subprocesses on a tiny Mixtral checkpoint folder (save_pretrained
-with a byte tokenizer): the experts are quantized, listed and used."""
+"""`fp8now run`, `eval` and `inspect` on a tiny Mixtral checkpoint folder (save_pretrained with a byte
+tokenizer) through main() in this process (cli_here): the experts are quantized, listed and used; and the
+README's MoE snippet and commands (inspect and run on a tiny Qwen3-MoE) as written, as real subprocesses."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_here import fp8now_here
 from moe_tiny import save_moe
 
 from fp8now.cli.output import SCHEMA_KEYS
@@ -29,14 +31,17 @@ def mixtral(tmp_path_factory):
     return path
 
 
-def fp8now(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "fp8now", *args, "--device", "cpu"], capture_output=True,
-                          text=True, timeout=HANG_S)
-    assert proc.returncode == 0, proc.stderr
-    return proc
+@pytest.fixture
+def fp8now(capsys):
+    """`fp8now ARGS --device cpu` in this process; it must succeed."""
+    def call(*args: str) -> subprocess.CompletedProcess:
+        proc = fp8now_here(capsys, *args, "--device", "cpu")
+        assert proc.returncode == 0, proc.stderr
+        return proc
+    return call
 
 
-def test_inspect_lists_the_experts_modules(mixtral):
+def test_inspect_lists_the_experts_modules(mixtral, fp8now):
     out = fp8now("inspect", str(mixtral), "--scheme", "block").stdout
     row = next(line.split() for line in out.splitlines() if line.startswith("experts "))
     assert row[1] == "2" and row[-1] in EXPERTS
@@ -56,7 +61,7 @@ def test_inspect_lists_the_experts_modules(mixtral):
     assert summary["experts"]["worst_layer"] == worst["name"] and 25 < worst["min_sqnr_db"]
 
 
-def test_run_generates_with_fp8_experts(mixtral):
+def test_run_generates_with_fp8_experts(mixtral, fp8now):
     data = json.loads(fp8now("run", str(mixtral), "--max-new-tokens", "4", "--mode", "both", "--json").stdout)
     entry = data["schemes"]["channel"]
     assert [r["name"] for r in entry["report"]["experts"]] == EXPERTS
@@ -65,7 +70,7 @@ def test_run_generates_with_fp8_experts(mixtral):
     assert "backends: cpu x8, cpu (experts) x2" in text and "2 experts modules" in text
 
 
-def test_eval_compares_the_fp8_experts_with_bf16(mixtral, tmp_path):
+def test_eval_compares_the_fp8_experts_with_bf16(mixtral, fp8now, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("Mixture-of-experts layers route each token to two of four experts. " * 6)
     data = json.loads(fp8now("eval", str(mixtral), "--scheme", "all", "--text", str(text), "--seq-len", "64",

@@ -1,8 +1,10 @@
-"""A checkpoint folder's own Python code never runs (issue 30 item 6), even with "y" typed at a prompt:
-the real CLI as a subprocess on folders whose config / tokenizer name custom code under `auto_map`."""
+"""A checkpoint folder's own Python code never runs (issue 30 item 6), even with "y" typed at a prompt: the real
+CLI as a subprocess (run), and main() in this process with "y" lines as its stdin (eval, inspect), on folders whose
+config / tokenizer name custom code under `auto_map`."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_here import fp8now_here
 from fp8now.loading.load import load
 from tiny import write_tiny_checkpoint
 
@@ -54,6 +57,13 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, env=env, timeout=HANG_S)
 
 
+@pytest.fixture
+def here(monkeypatch, capsys):
+    """`fp8now ARGS` in this process (cli_here), with "y" answered to any question it might ask."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n" * 5))
+    return lambda *args: fp8now_here(capsys, *args)
+
+
 def _one_line_refusal(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode == 1, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.strip().splitlines() if not line.startswith("fp8now eval: ")]  # eval's note
@@ -71,18 +81,18 @@ def test_run_refuses_a_custom_tokenizer_and_runs_nothing(custom_tokenizer):
 
 
 @pytest.mark.slow
-def test_eval_refuses_a_custom_tokenizer_and_runs_nothing(custom_tokenizer, tmp_path):
+def test_eval_refuses_a_custom_tokenizer_and_runs_nothing(custom_tokenizer, tmp_path, here):
     text = tmp_path / "t.txt"
     text.write_text("some words to evaluate on. " * 10)
-    _one_line_refusal(cli("eval", str(custom_tokenizer), "--device", "cpu", "--text", str(text),
+    _one_line_refusal(here("eval", str(custom_tokenizer), "--device", "cpu", "--text", str(text),
                           "--seq-len", "32"))
     assert not (custom_tokenizer / MARKER).exists()
 
 
 @pytest.mark.slow
-def test_inspect_refuses_a_custom_architecture_and_runs_nothing(custom_tokenizer):
+def test_inspect_refuses_a_custom_architecture_and_runs_nothing(custom_tokenizer, here):
     _edit_json(custom_tokenizer / "config.json", model_type="custom-llama")
-    proc = cli("inspect", str(custom_tokenizer), "--device", "cpu")
+    proc = here("inspect", str(custom_tokenizer), "--device", "cpu")
     assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
     assert "auto_map" in proc.stderr and "not known" in proc.stderr
     assert not (custom_tokenizer / MARKER).exists()

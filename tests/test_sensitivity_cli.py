@@ -1,4 +1,5 @@
-"""`fp8now sensitivity` and `--keep-bf16` as subprocesses on a tiny real checkpoint, with their own cache folder."""
+"""`fp8now sensitivity` and `--keep-bf16` on a tiny real checkpoint, with their own cache folder: sensitivity
+--json as a real subprocess, the text runs and inspect --keep-bf16 through main() in this process (cli_here)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_here import fp8now_here
 from fp8now import Fp8Config
 from fp8now.cli.output import SCHEMA_KEYS
 from fp8now.sensitivity.score import sensitivity
@@ -29,6 +31,13 @@ def fp8now(cache: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "FP8NOW_CACHE": str(cache)}
     return subprocess.run([sys.executable, "-m", "fp8now", *args], capture_output=True, text=True, env=env,
                           timeout=900)
+
+
+@pytest.fixture
+def here(cache, monkeypatch, capsys):
+    """`fp8now ARGS` in this process with `cache` as FP8NOW_CACHE."""
+    monkeypatch.setenv("FP8NOW_CACHE", str(cache))
+    return lambda *args: fp8now_here(capsys, *args)
 
 
 def test_json_ranks_every_layer_plots_and_caches(tiny_dir, cache, tmp_path, monkeypatch):
@@ -55,22 +64,22 @@ def test_json_ranks_every_layer_plots_and_caches(tiny_dir, cache, tmp_path, monk
     assert {r["name"]: r["score"] for r in record["layers"]} == {r["name"]: r["score"] for r in ranking}
 
 
-def test_text_says_it_read_the_cache_and_bad_values_are_one_line(tiny_dir, cache):
-    first = fp8now(cache, "sensitivity", str(tiny_dir), "--scheme", "block", "--top", "3")
+def test_text_says_it_read_the_cache_and_bad_values_are_one_line(tiny_dir, here):
+    first = here("sensitivity", str(tiny_dir), "--scheme", "block", "--top", "3")
     assert first.returncode == 0, first.stderr
     assert "scored in" in first.stdout and "cached in" in first.stdout
-    second = fp8now(cache, "sensitivity", str(tiny_dir), "--scheme", "block", "--top", "3")
+    second = here("sensitivity", str(tiny_dir), "--scheme", "block", "--top", "3")
     assert second.returncode == 0, second.stderr
     lines = second.stdout.splitlines()
     assert "read from the cache" in lines[1] and lines[3].split()[:2] == ["rank", "layer"]
     assert [line.split()[0] for line in lines[5:8]] == ["1", "2", "3"] and lines[8] == "... 11 more (--top 0 shows all)"
     assert any(line.startswith("keep_bf16='auto:0.05' keeps ") for line in lines)
-    error = one_error_line(fp8now(cache, "sensitivity", str(tiny_dir), "--keep-bf16", "0.05"))
+    error = one_error_line(here("sensitivity", str(tiny_dir), "--keep-bf16", "0.05"))
     assert "keep_bf16='0.05': expected 'auto:F' with 0 <= F < 1" in error
 
 
-def test_inspect_with_keep_bf16_reports_what_it_kept(tiny_dir, cache):
-    proc = fp8now(cache, "inspect", str(tiny_dir), "--keep-bf16", "auto:0.3", "--json")
+def test_inspect_with_keep_bf16_reports_what_it_kept(tiny_dir, here):
+    proc = here("inspect", str(tiny_dir), "--keep-bf16", "auto:0.3", "--json")
     assert proc.returncode == 0, proc.stderr
     entry = json.loads(proc.stdout)["schemes"]["channel"]
     assert entry["config"]["keep_bf16"] == "auto:0.3"
