@@ -34,7 +34,8 @@ def run(m, x, idx, wts, path):
     return experts_forward(x, idx, wts, expert_weights(m), expert_gate(m), path, m.workspace)
 
 
-SHAPES = [(33, 2, 8, 128, 128), (1, 4, 8, 192, 160), (6, 3, 5, 64, 96)]
+# 33 tokens on 4 experts: two of them get more slots (31, 29) than a 16-row tile holds (with 8 experts one did)
+SHAPES = [(33, 2, 4, 128, 128), (1, 4, 8, 192, 160), (6, 3, 5, 64, 96)]
 GATES = [("glu", False), ("clamped_swiglu", True)]
 # Every scheme on every shape; the gate (with its bias) alternates so that each scheme and each shape meets
 # both. The gate and the biases are compile-time branches of the kernels' epilogues (GATE, HAS_BIAS), apart

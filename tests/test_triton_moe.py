@@ -156,9 +156,9 @@ def test_fused_gate_quantization_bytes(act, gate, ip):
         assert torch.allclose(s.cpu(), s_ref, rtol=2.0 ** -8, atol=0) and (~same).float().mean() < 2e-3
 
 
-# One token; H = 256 and I = 192 (two 1x128 groups along K, the last partial: padded); 33 tokens (an expert
-# with more slots than a 16-row block: several blocks)
-SHAPES = [(1, 1, 4, 128, 128), (5, 2, 8, 256, 192), (33, 2, 6, 128, 128)]
+# One token; H = 256 and I = 192 (two 1x128 groups along K, the last partial: padded; 4 experts, was 8: each
+# expert with slots is a program more); 33 tokens (an expert with more slots than a 16-row block: several blocks)
+SHAPES = [(1, 1, 4, 128, 128), (5, 2, 4, 256, 192), (33, 2, 6, 128, 128)]
 GATES = [("glu", False), ("clamped_swiglu", True)]
 # Every scheme on every shape; the gate (with its biases) alternates so that each scheme and each shape meets
 # both. The gate and the biases are compile-time branches of the gate kernel and of the GEMMs' epilogues,
