@@ -37,10 +37,12 @@ OFF = Table(producer_kernels=PRODUCERS, producer_quant=(), quant_inside=QUANT_IN
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """Two-layer models of each family (a layer's producers next to another layer's), and a one-layer Llama
-    for the plan test, whose checks are each layer's own."""
+    for the plan test, whose checks are each layer's own (intermediate 128: it runs per-token scales, which
+    have no 1x128 groups for a wider down_proj input to span)."""
     root = tmp_path_factory.mktemp("producers")
     folders = {family: write_tiny_checkpoint(root / family, family, seed=3, **SIZES) for family in ("llama", "qwen3")}
-    one = write_tiny_checkpoint(root / "llama-1", "llama", seed=3, num_hidden_layers=1, **SIZES)
+    one = write_tiny_checkpoint(root / "llama-1", "llama", seed=3, **dict(SIZES, num_hidden_layers=1,
+                                                                          intermediate_size=128))
     return {**folders, "llama-1": one}
 
 
