@@ -55,7 +55,11 @@ def bits(q: torch.Tensor) -> torch.Tensor:
 
 
 def check(fn, kind: str, x: torch.Tensor) -> None:
-    q, s = fn(x)
+    expect_bytes(*fn(x), kind, x)
+
+
+def expect_bytes(q: torch.Tensor, s: torch.Tensor, kind: str, x: torch.Tensor) -> None:
+    """q, s are the eager CPU reference's bytes and scales of `kind` for x."""
     q_ref, s_ref = numerics.quantize_activation(x.cpu(), kind)
     assert s.dtype == torch.float32 and s.shape == s_ref.shape
     assert torch.equal(s.cpu(), s_ref)
@@ -94,27 +98,39 @@ def test_exact_div32_is_the_ieee_float32_quotient():
 
 
 def compiled_data() -> list[torch.Tensor]:
-    return [near_midpoints(32, 512, seed=8), varied((16, 384), torch.bfloat16, seed=9),
-            varied((7, 256), torch.float16, seed=10), with_zero_rows(varied((5, 384), torch.float32, seed=11))]
+    """One input per dtype: the first compiles a static graph, the next two (other shapes) dynamic ones."""
+    return [near_midpoints(32, 512, seed=8), with_zero_rows(varied((16, 384), torch.bfloat16, seed=9)),
+            varied((7, 256), torch.float16, seed=10)]
 
 
-@pytest.mark.parametrize("kind", ["token", "tensor", "group"])
-def test_numerics_under_compile_keeps_its_bytes(kind):
-    """bf16, fp16 and float32 inputs, near-midpoint data, zero rows (CPU here; CUDA in the GPU test)."""
+KINDS = ("token", "tensor", "group")
+
+
+def test_numerics_under_compile_keeps_its_bytes():
+    """Every kind, bf16, fp16 and float32 inputs, near-midpoint data, zero rows (CPU here; CUDA in the GPU
+    test). The three kinds compile in one graph: a graph per input dtype instead of one per kind and dtype
+    (each compile builds and runs the C++ compiler), every kind's bytes checked on its own."""
     torch._dynamo.reset()
-    fn = torch.compile(lambda x: numerics.quantize_activation(x, kind), fullgraph=True)
+    fn = torch.compile(lambda x: [numerics.quantize_activation(x, kind) for kind in KINDS], fullgraph=True)
     for x in compiled_data():
-        check(fn, kind, x)
+        for kind, (q, s) in zip(KINDS, fn(x)):
+            expect_bytes(q, s, kind, x)
 
 
-def backend_quantizers() -> tuple:
-    """The triton backend's quantizer (`triton_fp8.quantize`), compiled on the paths a table with the
-    torch-op quantizer switched on for both kinds plans under compile (dynamic M: one graph for every
-    M); group with column-major scales (the cuBLAS blockwise path)."""
+def backend_paths() -> tuple:
+    """The paths a table with the torch-op quantizer switched on for both kinds plans under compile for the
+    triton backend's quantizer (`triton_fp8.quantize`): token, and group with column-major scales (the
+    cuBLAS blockwise path)."""
     table = Table(compiled_quant=("token", "group"))
     token_path = plan("triton", Scheme.CHANNEL, "token", 4096, 1024, 1024, "cuda-fp8", compiling=True, table=table)
     group_path = plan("triton", Scheme.BLOCK, "group", 4096, 1024, 1024, "cuda-fp8", compiling=True, table=table)
     assert (token_path.quant, group_path.quant, group_path.gemm) == ("torch", "torch", "cublas-blockwise")
+    return token_path, group_path
+
+
+def backend_quantizers() -> tuple:
+    """The triton backend's quantizer compiled on each of backend_paths() (dynamic M: one graph for every M)."""
+    token_path, group_path = backend_paths()
     torch._dynamo.reset()
     token = torch.compile(lambda x: triton_fp8.quantize(x, token_path), dynamic=True, fullgraph=True)
     group = torch.compile(lambda x: triton_fp8.quantize(x, group_path), dynamic=True, fullgraph=True)
@@ -122,16 +138,17 @@ def backend_quantizers() -> tuple:
 
 
 def test_backend_quantizers_compile_to_the_reference_bytes():
-    """Through `triton_fp8.quantize` (no Triton launch on this path), col-major scales at each M."""
-    token, group = backend_quantizers()
-    for m in (3, 17, 64):
-        x = varied((m, 256), torch.bfloat16, seed=20 + m)
-        check(token, "token", x)
-        check(group, "group", x)
-        assert group(x)[1].stride() == (1, m)
-    x = near_midpoints(64, 512, seed=5)
-    check(token, "token", x)
-    check(group, "group", x)
+    """Through `triton_fp8.quantize` (no Triton launch on this path), col-major scales at each M. Both paths
+    compile in one graph (dynamic M: a graph per input dtype), each one's bytes checked on its own."""
+    token_path, group_path = backend_paths()
+    torch._dynamo.reset()
+    both = torch.compile(lambda x: (triton_fp8.quantize(x, token_path), triton_fp8.quantize(x, group_path)),
+                         dynamic=True, fullgraph=True)
+    for x in [varied((m, 256), torch.bfloat16, seed=20 + m) for m in (3, 17, 64)] + [near_midpoints(64, 512, seed=5)]:
+        token, group = both(x)
+        expect_bytes(*token, "token", x)
+        expect_bytes(*group, "group", x)
+        assert group[1].stride() == (1, x.shape[0])
 
 
 @pytest.mark.gpu

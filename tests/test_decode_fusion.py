@@ -56,13 +56,19 @@ def exact(x, act, w_q, w_s, w_kind, b):
     return y if b is None else y + b.cpu().double()
 
 
-@pytest.mark.parametrize("w_kind", ["tensor", "channel", "block"])
-@pytest.mark.parametrize("m,n,k,cfg", [(1, 200, 640, dict(BLOCK_N=4, BLOCK_K=256)),    # N tail, K tail (token)
-                                       (1, 96, 1024, dict(BLOCK_N=16, BLOCK_K=512)),
-                                       (1, 64, 256, None),                            # shipped configs
-                                       (2, 72, 384, None),
-                                       (3, 136, 640, dict(BLOCK_N=8, BLOCK_K=128)),   # M tail: wrapped row
-                                       (4, 64, 640, None)])
+GEMV_SHAPES = [(1, 200, 640, dict(BLOCK_N=4, BLOCK_K=256)),    # N tail, K tail (token)
+               (1, 96, 1024, dict(BLOCK_N=16, BLOCK_K=512)),
+               (1, 64, 256, None),                            # shipped configs
+               (2, 72, 384, None),
+               (3, 136, 384, dict(BLOCK_N=8, BLOCK_K=128)),   # M tail: wrapped row
+               (4, 64, 640, None)]
+# tensor and channel run the same kernel code (per-token activation scales; the weight's scale read with
+# stride 0 or 1): each shape runs block and one of them, in turn, so both meet every row count but one.
+GEMV_CASES = [(w_kind, *shape) for row, shape in enumerate(GEMV_SHAPES)
+              for w_kind in (("tensor", "channel")[row % 2], "block")]
+
+
+@pytest.mark.parametrize("w_kind,m,n,k,cfg", GEMV_CASES)
 def test_gemv_quantizing_its_input_gives_the_quantizer_then_gemv(w_kind, m, n, k, cfg):
     """Every scheme, 1 to 4 rows, N / K tails: the same float32 output bit for bit (the same FP8 operands
     and the same products in the same order), and the float64 product of those operands."""
@@ -105,24 +111,37 @@ def test_decode_kernel_quantizing_reads_only_real_rows(w_kind, m):
     assert nu.rel_diff(inside.cpu(), exact(x, act, w_q, w_s, w_kind, b)) < 1e-6
 
 
-@pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])
-@pytest.mark.parametrize("m,n", [(1, 160), (3, 160), (8, 4096)])
-def test_triton_backend_plans_no_quantizer_launch_at_decode_sizes(scheme, m, n):
-    """The default table: at M = 1 the GEMV (or the decode kernel) quantizes its own input, at M <= 16 the
-    token decode kernels do; through `triton_fp8.linear` the output is that of the same GEMM after the
-    Triton quantizer (Table(quant_inside=())), bit for bit."""
+DECODE_SIZES = [(scheme, m, n) for scheme in ("tensor", "channel", "block") for m, n in [(1, 160), (3, 160), (8, 4096)]]
+
+
+def decode_size_plans(scheme, m, n):
+    """(K, the default table's path, the same with no GEMM quantizing inside) at M x N."""
     k = 256 if n > 1024 else 1024
+    return k, *(plan("triton", Scheme(scheme), ACT[scheme], m, n, k, "cuda-fp8",
+                     table=Table(tensorwise_m1=False, quant_inside=inside)) for inside in (QUANT_INSIDE, ()))
+
+
+def test_triton_backend_plans_no_quantizer_launch_at_decode_sizes():
+    """The default table: at M = 1 the GEMV (or the decode kernel) quantizes its own input, at M <= 16 the
+    token decode kernels do, in the GEMM the plan without it runs after the Triton quantizer."""
+    for scheme, m, n in DECODE_SIZES:
+        _, fused, apart = decode_size_plans(scheme, m, n)
+        inside_expected = m == 1 or ACT[scheme] == "token" or 4096 <= n <= 8192
+        assert (fused.quant == "fused") == inside_expected, fused.name
+        assert fused.gemm == apart.gemm and not fused.pdl
+        always = scheme == "block" and m == 1 and n < 4096   # block below the GEMV's N: the decode kernel, fused
+        assert apart.quant == ("fused" if always else "triton")
+
+
+# At 8 x 4096 tensor plans channel's kernel (the weight's scale read with stride 0 instead of 1; the smaller
+# sizes run both): channel stands for it there.
+@pytest.mark.parametrize("scheme,m,n", [case for case in DECODE_SIZES if case != ("tensor", 8, 4096)])
+def test_the_decode_size_plans_give_the_bytes_of_the_quantizer_then_the_gemm(scheme, m, n):
+    """Through `triton_fp8.linear` the output of the default table's path is that of the same GEMM after the
+    Triton quantizer (Table(quant_inside=())), bit for bit, and the float64 product of its operands."""
+    k, fused, apart = decode_size_plans(scheme, m, n)
     x, w_q, w_s, b = operands(m, n, k, scheme, seed=7 * m + n)
     act = ACT[scheme]
-    fused = plan("triton", Scheme(scheme), act, m, n, k, "cuda-fp8", table=Table(tensorwise_m1=False,
-                                                                                  quant_inside=QUANT_INSIDE))
-    apart = plan("triton", Scheme(scheme), act, m, n, k, "cuda-fp8", table=Table(tensorwise_m1=False,
-                                                                                  quant_inside=()))
-    inside_expected = m == 1 or act == "token" or 4096 <= n <= 8192
-    assert (fused.quant == "fused") == inside_expected, fused.name
-    assert fused.gemm == apart.gemm and not fused.pdl
-    always = scheme == "block" and m == 1 and n < 4096   # block below the GEMV's N: the decode kernel, fused
-    assert apart.quant == ("fused" if always else "triton")
     ws = triton_fp8.workspace(DEV, Scheme(scheme), act, n, k, False, None)
     y = triton_fp8.linear(x, Weights(w_q, w_s, b, ws), fused)
     assert torch.equal(y, triton_fp8.linear(x, Weights(w_q, w_s, b, ws), apart))

