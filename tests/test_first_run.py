@@ -124,3 +124,24 @@ def test_device_auto_and_cuda_without_a_gpu(tiny_dir):
     assert resolve_device("auto") == resolve_device(None) == torch.device("cpu")
     with pytest.raises(ValueError, match=r"'cuda' was asked for.*sees no CUDA GPU.*device='cpu'"):
         load(tiny_dir, device="cuda")
+
+
+@needs_gguf
+def test_the_readme_first_command_runs_as_written():
+    """README's first set-up command's `fp8now run` as a real subprocess on the embedded model (the words
+    after `&&`, with a few new tokens): greedy text, the load report's lines, 210 FP8 layers on the cpu
+    backend, and the CPU weight quantizer named."""
+    readme = (ROOT / "README.md").read_text()
+    first = re.search(r"```bash\n(.*?)\n", readme)[1]
+    args = first.split("&& python3 -m fp8now ", 1)[1]
+    prompt = re.search(r'--prompt "([^"]+)"', args)[1]
+    scheme = re.search(r"--scheme (\S+)", args)[1]
+    path, _ = embedded_model_dir()
+    env = {**os.environ, "FP8NOW_CACHE": str(path.parent)}
+    proc = subprocess.run([sys.executable, "-m", "fp8now", "run", "--scheme", scheme, "--prompt", prompt,
+                           "--max-new-tokens", "4"], capture_output=True, text=True, env=env, timeout=HANG_S)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert f"scheme: {scheme}" in out and "--- greedy: " in out
+    assert "quantized 210 layers (channel)" in out and "backends: cpu x210" in out
+    assert "cpu weight quantizer: bfloat16: " in out
