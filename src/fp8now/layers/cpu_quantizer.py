@@ -38,6 +38,7 @@ from torch import nn
 from ..config import Scheme
 from ..kernels import cpu_aot, cpu_aot_weight
 from .linear import Fp8Linear
+from .weight_error import error_stats
 from .moe import Fp8Experts
 from ..cache import cache_lock, cache_root
 
@@ -63,7 +64,8 @@ FAMILIES = MappingProxyType({
     "activation": Family("CPU activation quantizer", cpu_aot.file_name, cpu_aot.build,
                          lambda path, key, dtype: cpu_aot.Widened(path, dtype), cpu_aot.check),
     "weight": Family("CPU weight quantizer", cpu_aot_weight.file_name, cpu_aot_weight.build,
-                     lambda path, key, dtype: cpu_aot_weight.Quantizer(path, key, dtype), cpu_aot_weight.check),
+                     lambda path, key, dtype: cpu_aot_weight.Quantizer(path, key, dtype),
+                     lambda quantizer, key, dtype: cpu_aot_weight.check(quantizer, key, dtype, error_stats)),
 })
 
 
