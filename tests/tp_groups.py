@@ -1,11 +1,13 @@
 """The two process groups the tensor-parallel tests share (test_tp.py, test_tp_moe.py): one of 2 ranks and
-one of 4, each started once per test run, running every scenario those tests check in turn.
+one of 4, started once per test run, running every scenario those tests check in turn.
 
-Starting a rank imports torch, transformers and fp8now (about 5 CPU-seconds), so the tests no longer start
-a group each: the group's ranks run the scenarios one after the other (tp_worker.run) and write their
-results to files, which each test reads and checks against its own TP=1 reference. The checkpoints and
-results live in the run's shared folder (conftest's FP8NOW_TEST_SHARED): the first pytest worker to ask
-builds them under a lock, the others wait for it and read them.
+A spawned rank imports torch, transformers and fp8now before any work (about 5 CPU-seconds), so the tests
+no longer start a group each: each group's ranks run the scenarios one after the other (tp_worker.run)
+and write their results to files, which each test reads and checks against its own TP=1 reference. And
+the ranks are not spawned: one fresh launcher process imports what they import, then forks the 2 ranks,
+and after them the 4 (a fresh process has one thread, so forking it is safe; a pytest worker has more).
+The checkpoints and results live in the run's shared folder (conftest's FP8NOW_TEST_SHARED): the first
+pytest worker to ask builds them under a lock, the others wait for it and read them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import atexit
 import fcntl
 import functools
+import importlib
+import multiprocessing
 import os
 import shutil
 import socket
@@ -41,6 +45,10 @@ MIXTRAL_RUNS = ["ep:tensor:1", "tp:channel:1", "tp:tensor:0", "ep:channel:0"]
 MIXTRAL_REFUSED = "plan:block:1"
 QWEN3_MOE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64, vocab_size=512,
                  moe_intermediate_size=256)
+# What the ranks import, imported once by the launcher before it forks them.
+PRELOAD = ["fp8now.loading.load", "fp8now.loading.reload", "fp8now.parallel.plan", "safetensors.torch", "transformers",
+           *(f"transformers.models.{family}.modeling_{family}" for family in (
+               "llama", "qwen2", "qwen3", "gemma", "phi3", "qwen3_moe", "mixtral", "gpt_oss", "llama4"))]
 
 
 def save_dense(directory: Path, family: str, seed: int = 0, **sizes) -> Path:
@@ -108,10 +116,28 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _start(size: int, root: Path) -> None:
-    tasks = [tuple(map(str, task)) for task in (_two_ranks if size == 2 else _four_ranks)(root)]
-    (root / "out").mkdir()
-    mp.start_processes(run, args=(size, _port(), tasks, str(root / "out")), nprocs=size, start_method="spawn")
+def _launch(groups: list) -> None:
+    """The launcher (a fresh process): the ranks' imports, then each (size, tasks, results folder) group's
+    ranks forked from here, one group after the other."""
+    for module in PRELOAD:
+        importlib.import_module(module)
+    for size, tasks, out in groups:
+        mp.start_processes(run, args=(size, _port(), tasks, out), nprocs=size, start_method="fork")
+
+
+def _start(root: Path) -> None:
+    groups = []
+    for size, build in ((2, _two_ranks), (4, _four_ranks)):
+        (root / f"tp{size}").mkdir()
+        (root / f"tp{size}" / "out").mkdir()
+        tasks = [tuple(map(str, task)) for task in build(root / f"tp{size}")]
+        groups.append((size, tasks, str(root / f"tp{size}" / "out")))
+    launcher = multiprocessing.get_context("spawn").Process(target=_launch, args=(groups,))
+    launcher.start()
+    launcher.join()
+    if launcher.exitcode != 0:
+        raise RuntimeError(f"the ranks' launcher failed (exit status {launcher.exitcode}; its traceback is in "
+                           "this test's captured stderr)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,21 +151,28 @@ def _base() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def group(size: int) -> tuple[Path, list[dict]]:
-    """(folder of the checkpoints, each rank's {task name: result}) of the `size`-rank group (2 or 4),
-    started by the first caller of this test run; a failed start is reported again to later callers."""
-    root = _base() / f"tp{size}"
-    with open(_base() / f"tp{size}.lock", "w") as lock:
+def _groups() -> Path:
+    """The folder holding tp2/ and tp4/ (checkpoints, out/<rank>.pt), the groups run by the first caller of
+    this test run; a failed run is reported again to later callers."""
+    root = _base() / "tp"
+    with open(_base() / "tp.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes
         if (root / "failed").exists():
-            raise RuntimeError(f"the {size}-rank group failed in another test:\n{(root / 'failed').read_text()}")
+            raise RuntimeError(f"the TP groups failed in another test:\n{(root / 'failed').read_text()}")
         if not (root / "done").exists():
             shutil.rmtree(root, ignore_errors=True)
             root.mkdir()
             try:
-                _start(size, root)
+                _start(root)
             except BaseException:
                 (root / "failed").write_text(traceback.format_exc())
                 raise
             (root / "done").write_text("")
+    return root
+
+
+@functools.lru_cache(maxsize=None)
+def group(size: int) -> tuple[Path, list[dict]]:
+    """(folder of the checkpoints, each rank's {task name: result}) of the `size`-rank group (2 or 4)."""
+    root = _groups() / f"tp{size}"
     return root, [torch.load(root / "out" / f"{r}.pt", weights_only=False) for r in range(size)]
