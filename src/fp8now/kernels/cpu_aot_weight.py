@@ -6,9 +6,8 @@ cpu backend's bf16 working copy `bf16(q * s)`, and the seven error sums of `laye
 into about two passes over the weight (each scale group's amax, then everything else), where the torch-ops
 quantizer (`cpu_wquant`) and the error measurement run some fifteen passes between them. Per element: the
 SPEC's float32 division (the tensor rule: the product with the reciprocal), the rounding to the e4m3 grid
-by Veltkamp's split (`cpu_aot.round_e4m3_split`), the FP8 byte built from the rounded value's bits (sign,
-exponent and the three leading mantissa bits; the subnormals as multiples of 2^-9), the working copy as
-the float32 product rounded once to bf16, and float64 sums for the error figures. `check` compares a built
+by Veltkamp's split (`cpu_aot.round_e4m3_split`), the FP8 byte by an exact cast of the rounded value (signed
+as the value before rounding), the working copy as the float32 product rounded once to bf16, and float64 sums for the error figures. `check` compares a built
 library with the torch-ops quantizer bit for bit before a load uses it.
 
 Inputs (`args`): "channel" `w [N, K]`; "tensor" `w [N, K]` and its float32 scale `[]` (the whole weight's
@@ -30,6 +29,7 @@ from ..numerics import E4M3FN, WEIGHT_RULE, nonfinite_error, scale_from_amax
 from . import cpu_wquant
 from .cpu import WORK_DTYPE
 from .cpu_aot import DTYPES, _all_values as _check_values, build_library, digest, round_e4m3_split
+
 
 def fp8_bytes(y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """The e4m3 tensor of `r` (float32 values on the e4m3 grid, |r| <= 448: the cast is exact), signed as
@@ -124,8 +124,7 @@ class Quantizer:
         rows, cols = w.shape
         w = w.contiguous()
         if self.scheme is Scheme.TENSOR:
-            lo, hi = torch.aminmax(w)                       # one pass, no |w| temporary; NaN propagates
-            amax = torch.maximum(-lo, hi).float()
+            amax = cpu_wquant.tensor_amax(w)
             if not bool(torch.isfinite(amax)):
                 raise nonfinite_error((rows, cols), name)
             s = scale_from_amax(amax, WEIGHT_RULE[self.scheme])

@@ -28,10 +28,13 @@ def _rows_per_chunk(rows: int, cols: int, align: int) -> int:
     return min(max(per // align * align, align), rows + (-rows % align))
 
 
-def _tensor_amax(w: torch.Tensor, step: int) -> torch.Tensor:
-    """The amax of a whole weight, a chunk at a time (exact in w's own dtype)."""
-    parts = [w[r:r + step].abs().amax() for r in range(0, w.shape[0], step)]
-    return torch.stack(parts).amax().float() if parts else torch.zeros(())
+def tensor_amax(w: torch.Tensor) -> torch.Tensor:
+    """The float32 amax of a whole weight (exact in w's own dtype; NaN propagates): one `aminmax` pass, no
+    |w| temporary."""
+    if not w.numel():
+        return torch.zeros(())
+    lo, hi = torch.aminmax(w)
+    return torch.maximum(-lo, hi).float()
 
 
 def quantize_weight(w: torch.Tensor, scheme: Scheme, name: str | None = None, work: bool = True,
@@ -49,7 +52,7 @@ def quantize_weight(w: torch.Tensor, scheme: Scheme, name: str | None = None, wo
     pad = -cols % 128 if scheme is Scheme.BLOCK else 0
     scales = []
     if scheme is Scheme.TENSOR:
-        amax = _tensor_amax(w, step)
+        amax = tensor_amax(w)
         if not bool(torch.isfinite(amax)):
             raise nonfinite_error(tuple(w.shape), name)
         tensor_scale = scale_from_amax(amax, rule)

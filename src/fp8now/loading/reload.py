@@ -13,7 +13,6 @@ from torch import nn
 from ..layers.cpu_quantizer import weight_quantizer
 from ..layers.finite import FiniteCheck
 from ..layers.guard import guard_of
-from ..layers.linear import Fp8Linear
 from ..report import ReloadReport
 from .pipeline import route_tensors, stream_tensors
 from .plan import plan_loaded
@@ -94,10 +93,12 @@ class _Watched:
             raise
 
 
-def _cpu_quantizers(model: nn.Module):
-    """The compiled CPU weight quantizers of the scheme of the model's first CPU FP8 linear, where built (a
-    reload builds none); None without such a layer. Layers of another scheme run torch ops."""
-    layer = next((m for m in model.modules() if isinstance(m, Fp8Linear) and m.weight.device.type == "cpu"), None)
+def _cpu_quantizers(plan):
+    """The compiled CPU weight quantizers of the scheme of the plan's first CPU FP8 linear, where built (a reload
+    builds none); None without such a layer. Layers of another scheme run torch ops. (From the plan's slots:
+    no second walk over the model's modules.)"""
+    layer = next((slot.owner for slot in plan.slots.values()
+                  if slot.kind == "fp8" and slot.owner.weight.device.type == "cpu"), None)
     return None if layer is None else weight_quantizer(layer.scheme, 0, build=False)
 
 
@@ -108,7 +109,7 @@ def _reload(model: nn.Module, named_tensors, g) -> ReloadReport:
     source = TensorSource(named_tensors if watched is None else watched, WHERE)
     refuse = _unknown(plan.slots)
     sinks = Sinks(plan, None, None, False, plain="copy", whole=True, checked=source.known, deferred=False,
-                  quantizers=_cpu_quantizers(model))
+                  quantizers=_cpu_quantizers(plan))
     routed = None
     if source.known:   # all-or-nothing: every check before the first write
         routed = route_tensors(plan, source, refuse)

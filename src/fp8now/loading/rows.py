@@ -85,12 +85,11 @@ def experts_row(layer: Fp8Experts, w13: torch.Tensor, w2: torch.Tensor, pending:
     row = ExpertsRow(layer.name, layer.num_experts, layer.hidden_size, layer.intermediate_size, layer.scheme.value,
                      layer.backend or "?", layer.w13_bias is not None, None, None, layer.act_kind,
                      expert_plan_names(layer))
-    if pending is not None and stats is not None:
-        pending.append(Pending(row, stats, layer.scheme))
-    elif pending is not None:
-        p13, p2 = layer.padded(w13.to(layer.w13.device), w2.to(layer.w2.device))
-        stats = torch.stack([error_stats(p13, layer.w13, layer.w13_scale, layer.scheme),
-                             error_stats(p2, layer.w2, layer.w2_scale, layer.scheme)], dim=1)   # [E, 2, 7]
+    if pending is not None:
+        if stats is None:
+            p13, p2 = layer.padded(w13.to(layer.w13.device), w2.to(layer.w2.device))
+            stats = torch.stack([error_stats(p13, layer.w13, layer.w13_scale, layer.scheme),
+                                 error_stats(p2, layer.w2, layer.w2_scale, layer.scheme)], dim=1)   # [E, 2, 7]
         pending.append(Pending(row, stats, layer.scheme))
     return row
 
