@@ -305,9 +305,26 @@ def test_weight_matches_reference(scheme, dtype):
     check_weight(make_weight((130, 260), dtype, seed=1), scheme)
 
 
+@pytest.mark.parametrize("shape", [(2, 136, 200), (3, 256, 136)], ids=["one-launch-each", "one-launch"])
 @pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])
-def test_stacked_expert_weights(scheme):
-    check_weight(make_weight((2, 136, 200), torch.bfloat16, seed=2), scheme)
+def test_stacked_expert_weights(scheme, shape):
+    check_weight(make_weight(shape, torch.bfloat16, seed=2), scheme)
+
+
+@pytest.mark.parametrize("shape", [(130, 260), (2, 256, 136)])
+@pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])
+def test_weight_out_is_written_in_place(scheme, shape):
+    w = make_weight(shape, torch.bfloat16, seed=9)
+    q_new, s_new = tw.quantize_weight(w, scheme)
+    q_out = torch.full(w.shape, 7.0, device=DEVICE).to(torch.float8_e4m3fn)   # stale bytes and scales
+    s_out = torch.full(s_new.shape, -1.0, device=DEVICE).reshape(-1)           # any shape of as many elements
+    q, s = tw.quantize_weight(w, scheme, out=(q_out, s_out))
+    assert q is q_out and s is s_out and s_out.shape == (s_new.numel(),)
+    assert torch.equal(q_out.view(torch.uint8), q_new.view(torch.uint8)) and torch.equal(s_out, s_new.reshape(-1))
+    with pytest.raises(ValueError, match="out= must be contiguous"):
+        tw.quantize_weight(w, scheme, out=(q_out, s_out[1:]))
+    with pytest.raises(ValueError, match="out= must be contiguous"):
+        tw.quantize_weight(w, scheme, out=(q_out.view(torch.uint8), s_out))
 
 
 @pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])

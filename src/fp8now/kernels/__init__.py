@@ -119,12 +119,15 @@ def workspace(backend: str, device: torch.device | str, scheme: Scheme, act_kind
 
 
 def quantize_weight(w: torch.Tensor, scheme: Scheme, name: str | None = None, weight_numerics: str = "spec",
-                    amax: torch.Tensor | None = None, checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    amax: torch.Tensor | None = None, checked: bool = False,
+                    out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight quantization at load: the Triton kernel on FP8-capable GPUs (memory speed, same bytes
     as `numerics.quantize_weight`), the chunked torch implementation elsewhere. Other `weight_numerics`
     (llm-compressor's) run `kernels.llmc` with torch ops on every device; `amax` (a TP group's MAX,
     SPEC §6) runs the torch implementation of the chosen numerics. `checked`: the caller checked w for
-    NaN/Inf already (a load checks many weights with one host sync)."""
+    NaN/Inf already (a load checks many weights with one host sync). `out`: (bytes, float32 scales) the
+    Triton kernel writes in place (`triton_wquant.quantize_weight`); the other paths return new tensors (the
+    caller copies them: compare data_ptr)."""
     if weight_numerics != "spec":
         return llmc.quantize_weight(w, scheme, weight_numerics, name=name, amax=amax)
     if amax is not None:
@@ -134,5 +137,13 @@ def quantize_weight(w: torch.Tensor, scheme: Scheme, name: str | None = None, we
         if triton_quant.available(w.device) is None:
             if not checked and not bool(triton_wquant.weight_all_finite(w)):  # one sync per layer
                 raise numerics.nonfinite_error(tuple(w.shape), name)
-            return triton_wquant.quantize_weight(w, scheme.value)
+            return triton_wquant.quantize_weight(w, scheme.value, out=out)
     return numerics.quantize_weight(w, scheme, name=name)
+
+
+def writes_in_place(device: torch.device, weight_numerics: str = "spec") -> bool:
+    """Does `quantize_weight(..., out=)` on `device` write `out` (the Triton path), stacked experts included?"""
+    if weight_numerics != "spec" or device.type != "cuda" or device_class(device) != "cuda-fp8":
+        return False
+    from . import triton_quant
+    return triton_quant.available(device) is None

@@ -3,6 +3,8 @@ tensor (an amax pass, then a quantize pass), channel (the per-token kernel of `t
 128x128 blocks; plus a NaN/Inf check without a host sync. Wrappers check, allocate and launch.
 """
 
+import math
+
 import torch
 
 from ..config import Scheme
@@ -113,12 +115,22 @@ def _launch_block(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: Fp8For
         FMAX=fmt.fmax, FLOOR=BLOCK_AMAX_FLOOR, BLOCK=GROUP, num_warps=8)
 
 
-def quantize_weight(w: torch.Tensor, scheme: Scheme | str, fmt: Fp8Format = E4M3FN
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def scale_shape(scheme: Scheme, e: int, n: int, k: int) -> tuple[int, ...]:
+    """The float32 scales of `e` stacked `[n, k]` weights: tensor `[e]`, channel `[e, n, 1]`, block
+    `[e, ceil(n/128), ceil(k/128)]`."""
+    return {Scheme.TENSOR: (e,), Scheme.CHANNEL: (e, n, 1),
+            Scheme.BLOCK: (e, cdiv(n, GROUP), cdiv(k, GROUP))}[scheme]
+
+
+def quantize_weight(w: torch.Tensor, scheme: Scheme | str, fmt: Fp8Format = E4M3FN,
+                    out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a weight `[N, K]` or stacked experts `[E, N, K]` with the bytes of
     `numerics.quantize_weight`: scale tensor `[]` (`[E]`), channel `[N, 1]` (`[E, N, 1]`),
     block `[ceil(N/128), ceil(K/128)]` (`[E, ...]`).
 
+    `out`: (FP8 bytes, float32 scales) to write instead of new tensors, each contiguous with as many elements
+    as the results (e.g. a layer's own storage, written in place); they are returned as given.
+    Stacked experts take one launch for all of them (channel; block where N is a multiple of 128).
     NaN/Inf are not checked here (that would need a sync): call `weight_all_finite` first.
     """
     scheme = Scheme.parse(scheme)
@@ -128,24 +140,32 @@ def quantize_weight(w: torch.Tensor, scheme: Scheme | str, fmt: Fp8Format = E4M3
     w3 = w if w.dim() == 3 else w.unsqueeze(0)
     E, N, K = w3.shape
     dev = w.device
-    q = torch.empty((E, N, K), dtype=fmt.dtype, device=dev)
+    if out is None:
+        q_out = torch.empty(w.shape, dtype=fmt.dtype, device=dev)
+        s_out = torch.empty(scale_shape(scheme, E, N, K)[w.dim() == 2:], dtype=torch.float32, device=dev)
+    else:
+        q_out, s_out = out
+        shape = scale_shape(scheme, E, N, K)
+        if (q_out.dtype != fmt.dtype or s_out.dtype != torch.float32 or q_out.numel() != w.numel()
+                or s_out.numel() != math.prod(shape) or not (q_out.is_contiguous() and s_out.is_contiguous())
+                or q_out.device != dev or s_out.device != dev):
+            raise ValueError(f"quantize_weight: out= must be contiguous {fmt.dtype} of {tuple(w.shape)} and float32 "
+                             f"of {shape} on {dev}; got {q_out.dtype} {tuple(q_out.shape)}, {s_out.dtype} "
+                             f"{tuple(s_out.shape)}")
+    q = q_out.view(E, N, K)
+    s = s_out.view(scale_shape(scheme, E, N, K))
     if scheme is Scheme.TENSOR:
-        s = torch.empty((E,), dtype=torch.float32, device=dev)
         amax_bits = torch.zeros((E,), dtype=torch.int32, device=dev)
         for e in range(E):
             _launch_tensor(w3[e], q[e], s[e], amax_bits[e], fmt)
-    elif scheme is Scheme.CHANNEL:
-        s = torch.empty((E, N, 1), dtype=torch.float32, device=dev)
-        for e in range(E):
-            launch_row(w3[e], q[e], s[e], fmt)
+    elif scheme is Scheme.CHANNEL:   # rows of all experts alike: one launch
+        launch_row(w3.reshape(E * N, K), q.view(E * N, K), s.view(E * N), fmt)
+    elif N % GROUP == 0:   # no 128-row tile crosses two experts: one launch
+        _launch_block(w3.reshape(E * N, K), q.view(E * N, K), s.view(E * (N // GROUP), -1), fmt)
     else:
-        s = torch.empty((E, cdiv(N, GROUP), cdiv(K, GROUP)), dtype=torch.float32,
-                        device=dev)
         for e in range(E):
             _launch_block(w3[e], q[e], s[e], fmt)
-    if w.dim() == 2:
-        return q[0], s[0]
-    return q, s
+    return q_out, s_out
 
 
 def weight_all_finite(w: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ from torch import nn
 
 from . import decode_graphs
 from ..config import Fp8Config, Scheme
-from ..kernels import backend_module, cpu_wquant, device_class, pick_backend, quantize_weight, workspace
+from ..kernels import (backend_module, cpu_wquant, device_class, pick_backend, quantize_weight, workspace,
+                       writes_in_place)
 from ..kernels.plan import TABLES, Path, Table, Weights, plan
 from ..numerics import E4M3FN
 
@@ -156,13 +157,15 @@ class Fp8Linear(nn.Module):
                 q, s, work, stats = quantizer(w, self.name or None)
             else:
                 q, s, work = cpu_wquant.quantize_weight(w, self.scheme, self.name or None)
-        else:
-            q, s = quantize_weight(w, self.scheme, self.name or None, self.weight_numerics, amax, checked)
+        else:   # on a GPU the kernel writes the existing storage itself (checked before: nothing torn)
+            out = None if self.weight.is_meta or not writes_in_place(device, self.weight_numerics) \
+                else (self.weight.data, self.weight_scale.data)
+            q, s = quantize_weight(w, self.scheme, self.name or None, self.weight_numerics, amax, checked, out)
         self.scale_dtype, s = s.dtype, s.float()   # float32 holds llm-compressor's bf16 scales exactly
         if self.weight.is_meta:
             self.weight = nn.Parameter(q, requires_grad=False)
             self.weight_scale = nn.Parameter(s.reshape(self.weight_scale.shape), requires_grad=False)
-        else:
+        elif q.data_ptr() != self.weight.data_ptr():   # new tensors: copied in
             self.weight.data.copy_(q)
             self.weight_scale.data.copy_(s.reshape(self.weight_scale.shape))
         if self.bias is not None:

@@ -16,7 +16,7 @@ from ..config import Fp8Config, Scheme
 from .decode_graphs import DecodeGraphs
 from .finite import check_experts_finite
 from . import moe_cpu
-from ..kernels import cpu, cpu_wquant, quantize_weight
+from ..kernels import cpu, cpu_wquant, quantize_weight, writes_in_place
 from ..kernels.reference import exact_matmul
 from .linear import check_float_weight, keep_fp8_on_apply, weight_scale_shape
 from .moe_backends import EXPERT_BACKENDS, expert_workspace, pick_expert_backend
@@ -169,6 +169,10 @@ class Fp8Experts(nn.Module):
                 setattr(self, leaf + "_scale", nn.Parameter(torch.empty(scale.shape, device=device),
                                                             requires_grad=False))
             q_all, s_all = getattr(self, leaf), getattr(self, leaf + "_scale")
+            if amax is None and writes_in_place(device, self.weight_numerics):   # all experts at once, in place
+                quantize_weight(w, self.scheme, f"{self.name}.{leaf}", checked=True, out=(q_all.data, s_all.data))
+                self.scale_dtype = torch.float32
+                continue
             if fast:
                 old = getattr(self, f"{leaf}_work")
                 works[leaf] = old if old is not None and old.shape == w.shape else torch.empty(w.shape, dtype=cpu.WORK_DTYPE)
