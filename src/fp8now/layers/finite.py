@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import triton_peaks
 from ..numerics import E4M3FN
 
 _CHUNK = 1 << 24  # elements per aminmax pass
@@ -58,6 +59,22 @@ class FiniteCheck:
         if t.is_floating_point() and t.numel():
             self.add_peak(peak_abs(t), name, warn)
 
+    def add_many(self, items: list[tuple[torch.Tensor, str, bool]]) -> None:
+        """`add` for each (tensor, name, warn): on a GPU the contiguous ones in one launch per dtype
+        (`kernels.triton_peaks`), not about three per tensor. The tensors need not outlive this call."""
+        floats = [(t, name, warn) for t, name, warn in items if t.is_floating_point() and t.numel()]
+        batch = [item for item in floats if item[0].device.type == "cuda" and triton_peaks.usable(item[0])]
+        if len(batch) < 2 or len({t.device for t, _, _ in batch}) > 1 or triton_peaks.available(batch[0][0].device):
+            batch = []
+        if batch:
+            self._peaks.append(triton_peaks.peaks([t for t, _, _ in batch]))
+            self._names += [name for _, name, _ in batch]
+            self._warn += [warn for _, _, warn in batch]
+        chosen = {id(t) for t, _, _ in batch}
+        for t, name, warn in floats:
+            if id(t) not in chosen:
+                self.add_peak(peak_abs(t), name, warn)
+
     def add_peak(self, peak: torch.Tensor, name: str, warn: bool = True) -> None:
         """Queue a max |x| computed by the caller (e.g. from an FP8 layer's scales: 448 x the largest)."""
         self._peaks.append(peak)
@@ -71,7 +88,7 @@ class FiniteCheck:
         self._peaks, self._names, self._warn = [], [], []
         if not peaks:
             return []
-        values = torch.stack([p.to(peaks[0].device) for p in peaks]).tolist()
+        values = torch.cat([p.to(peaks[0].device).reshape(-1) for p in peaks]).tolist()
         bad = [names[i] for i, v in enumerate(values) if v != v or v == float("inf")]
         if bad:
             more = f" (and {len(bad) - 1} more: {', '.join(bad[1:4])}{', ...' if len(bad) > 4 else ''})" \

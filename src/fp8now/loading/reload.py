@@ -113,9 +113,8 @@ def _reload(model: nn.Module, named_tensors, g) -> ReloadReport:
     routed = None
     if source.known:   # all-or-nothing: every check before the first write
         routed = route_tensors(plan, source, refuse)
-        check = FiniteCheck()
-        for key, t, d in routed:   # FP8 weights' magnitudes come from their new scales (sinks)
-            check.add(t, f"tensor {key!r}", warn=d.kind in ("param", "buffer") or key.endswith("bias"))
+        check = FiniteCheck()   # every tensor's NaN/Inf and magnitude (FP8 weights' too: sinks skip their scales')
+        check.add_many([(t, f"tensor {key!r}", True) for key, t, _ in routed])
         try:
             plan.experts.check_merges(source.tensors(), WHERE)
             sinks.absurd += check.raise_if_bad()

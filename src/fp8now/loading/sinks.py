@@ -142,7 +142,8 @@ class Sinks:
                 tp.load_layer(layer, w, b)
         except ValueError as e:
             raise ValueError(f"{wwhere}: tensor {wkey!r}: {e}") from None
-        if not later and not self._flush_rows:   # magnitude from its scales (`later`: from the whole weight)
+        if not later and not self._flush_rows and not self.checked:   # magnitude from its scales (`later` or
+            # `checked`: from the whole weight)
             self.finite.add_peak(scale_peak(layer.weight_scale), f"{wwhere}: tensor {wkey!r}")
         self.updated.append(layer.name)
         if self.plain != "copy":
@@ -186,7 +187,8 @@ class Sinks:
                            self.figures if self.measure and self.plain != "copy" else None, self._quantizer):
                 self.updated.append(layer.name)
                 self._freed(2 * (layer.w13.numel() + layer.w2.numel()), layer.w13.device)
-                self.finite.add_peak(scale_peak(layer.w13_scale, layer.w2_scale), f"{where}: experts {layer.name}")
+                if not self.checked:   # (`checked`: every expert tensor's magnitude was measured before)
+                    self.finite.add_peak(scale_peak(layer.w13_scale, layer.w2_scale), f"{where}: experts {layer.name}")
 
     def _embedding(self, layer, key: str, t: torch.Tensor, where: str) -> None:
         """An Fp8Embedding's table: quantized per row as it arrives (NaN/Inf raise before anything is written)."""
@@ -196,7 +198,7 @@ class Sinks:
                 layer.load_(w)
         except ValueError as e:
             raise ValueError(f"{where}: tensor {key!r}: {e}") from None
-        if not self._flush_rows:
+        if not self._flush_rows and not self.checked:
             self.finite.add_peak(scale_peak(layer.weight_scale), f"{where}: tensor {key!r}")
         self.updated.append(layer.name)
         if self.plain != "copy":
