@@ -10,6 +10,7 @@ then transformers' converter builds the fused tensor, and the layer is quantized
 from __future__ import annotations
 
 import re
+from collections import Counter
 from copy import deepcopy
 from functools import partial
 from pathlib import Path
@@ -50,6 +51,7 @@ class ExpertsLoad:
         """`tp`: a reload on a tensor-parallel model, the load's `parallel.experts.ExpertsTp` (full tensors in,
         this rank's parts kept)."""
         self.model = model
+        reload = layers is None
         if layers is None:
             layers = {name: (m, m.hf_layout) for name, m in model.named_modules()
                       if isinstance(m, Fp8Experts) and m.hf_layout is not None}
@@ -59,6 +61,9 @@ class ExpertsLoad:
         if tp is not None:   # the checkpoint's shapes, not this rank's part
             self.fused = {fused: (name, tp.full_shape(fused, shape)) for fused, (name, shape) in self.fused.items()}
         self.rules: tuple[list, list] | None = None
+        # key -> (model name or None, source pattern, expert id) by transformers' rules: pure for one model, so a
+        # reload keeps it on the model for the next (an RL refit renames the same ~1e4 per-expert keys every step)
+        self._renamed: dict[str, tuple] = {} if not reload else model.__dict__.setdefault("_fp8now_renamed", {})
         self.parts: dict[str, dict[str, list[str]]] = {}      # fused name -> source pattern -> keys
         self.pattern_of: dict[str, str] = {}                  # checkpoint key -> its source pattern
         self.converter_of: dict[str, object] = {}             # source pattern -> transformers converter
@@ -101,7 +106,13 @@ class ExpertsLoad:
               ) -> tuple[str | None, bool]:
         """`rename`, and note a per-expert tensor as a part of its fused param: (model name or None, is_part).
         `path`: where the key comes from (its file, or the call), for messages."""
-        renamed, pattern = self.rename(key, known, prefix)
+        self._rules()   # (the converters, also when the memo answers)
+        memo = self._renamed.get(key)
+        if memo is None:
+            renamed, pattern = self.rename(key, known, prefix)
+            memo = self._renamed[key] = (renamed, pattern,
+                                         None if renamed is None or pattern is None else expert_index(key, pattern))
+        renamed, pattern, expert = memo
         if renamed is None or pattern is None:
             return renamed, False
         if renamed not in self.fused:
@@ -110,7 +121,7 @@ class ExpertsLoad:
                              "unquantized experts module yet: do not ignore these experts")
         if ST_DTYPES.get(st_dtype) not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"{path}: tensor {key!r} has dtype {st_dtype}; expected BF16, F16 or F32")
-        expert, count = expert_index(key, pattern), self.fused[renamed][1][0]
+        count = self.fused[renamed][1][0]
         if expert is not None and expert >= count:   # it would merge into another expert's place
             raise ValueError(f"{path}: tensor {key!r} is expert {expert}, but {renamed} holds {count} experts "
                              f"(ids 0-{count - 1}, the config's expert count) and would take another's place; the "
@@ -212,12 +223,18 @@ class ExpertsLoad:
     def check_merges(self, given: dict[str, torch.Tensor], where: str) -> None:
         """Merge every complete set of per-expert tensors in `given` on the meta device (no data) and check
         the fused shape, so that a wrong expert shape fails before anything is written."""
+        merged_like: dict[tuple, tuple] = {}   # what the parts looked like -> the merged shape (layers are alike)
         for fused, by_pattern in self.parts.items():
             keys = [k for ks in by_pattern.values() for k in ks if k in given]
             shape = self.fused[fused][1]   # [E, ...]: all experts, whichever this rank holds
             if keys and len(keys) == shape[0] * len(self._patterns(dict.fromkeys(keys))):
-                merged = self._merge(fused, {k: given[k].to("meta") for k in keys}, where)
-                check_float_weight(merged, fused, shape)
+                looks = (fused.rsplit(".", 1)[1], tuple(sorted(Counter(
+                    (self.pattern_of[k], tuple(given[k].shape), given[k].dtype) for k in keys).items(), key=str)))
+                if looks not in merged_like:
+                    merged = self._merge(fused, {k: given[k].to("meta") for k in keys}, where)
+                    merged_like[looks] = (tuple(merged.shape), merged.dtype)
+                check_float_weight(torch.empty(merged_like[looks][0], dtype=merged_like[looks][1], device="meta"),
+                                   fused, shape)
 
     def _merge(self, fused: str, held, path: Path | str) -> torch.Tensor:
         """A fused tensor: as stored, or merged from its parts by transformers' own converter."""
