@@ -24,7 +24,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from fp8now.kernels import triton_block as tb, triton_decode as td, triton_gemv as tv, triton_quant as tq  # noqa: E402
 from fp8now.kernels import triton_rowwise as tr, triton_splitk as tk, triton_w8a16 as t8, triton_wquant as tw  # noqa: E402
 from fp8now.kernels import moe_align as ma, plan as kp, triton_moe as tm, triton_moe_act as ta  # noqa: E402
-from fp8now.kernels import triton_moe_direct as md  # noqa: E402
+from fp8now.kernels import triton_moe_direct as md, triton_peaks as tpk  # noqa: E402
 from fp8now.kernels import triton_norm as tn, triton_silu_mul as tsm  # noqa: E402
 from fp8now.numerics import E4M3FN, GROUP_AMAX_FLOOR  # noqa: E402
 
@@ -111,6 +111,9 @@ def main():
                 dict(BLOCK_M=8, BLOCK_K=1024, K_ITERS=8), dict(num_warps=16))
     compile_one("tensor_quant", tw._tensor_quant_kernel, dict(x_ptr=BF16, q_ptr=FP8, amax_ptr=I32, s_ptr=F32),
                 dict(FMAX=E4M3FN.fmax, FLOOR=E4M3FN.min_scale, BLOCK_M=4, BLOCK_K=2048), dict(num_warps=16))
+    for dtype in ("bfloat16", "float16", "float32"):   # reload's check: pointers built from int64 addresses
+        compile_one(f"peaks {dtype}", tpk._peaks_kernel, dict(work_ptr="*i64", bits_ptr=I32),
+                    dict(DTYPE=getattr(triton.language, dtype), CHUNK=tpk.CHUNK, BLOCK=tpk.BLOCK), dict(num_warps=8))
     compile_one("block_quant", tw._block_quant_kernel, dict(w_ptr=BF16, q_ptr=FP8, s_ptr=F32),
                 dict(FMAX=E4M3FN.fmax, FLOOR=1e-4, BLOCK=128), dict(num_warps=8))
     g = GEMM_PTRS
