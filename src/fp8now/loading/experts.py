@@ -243,7 +243,10 @@ class ExpertsLoad:
         held = {k: t for k, t in held.items() if t is not None}  # None: another rank's expert, not read
         converter = deepcopy(self.converter_of[self.pattern_of[next(iter(held))]])
         for pattern in converter.source_patterns:
-            for key in sorted((k for k in held if self.pattern_of[k] == pattern), key=_natural):
+            keys = [k for k in held if self.pattern_of[k] == pattern]
+            ids = [self._renamed[k][2] if k in self._renamed else None for k in keys]
+            order = sorted(range(len(keys)), key=ids.__getitem__) if None not in ids else None   # by expert id
+            for key in [keys[i] for i in order] if order is not None else sorted(keys, key=_natural):
                 converter.add_tensor(fused, key, pattern, held[key])
         try:
             out = converter.convert(fused, model=self.model, config=getattr(self.model, "config", None))
