@@ -94,3 +94,19 @@ def test_finite_check_many_on_the_cpu_as_one_by_one():
     check.add_many([*tensors, (torch.arange(4), "tensor 'ints'", True)])   # integers: not checked
     warnings = check.raise_if_bad()
     assert len(warnings) == 1 and "'x3'" in warnings[0]
+
+
+@pytest.mark.gpu   # the batched path of nonfinite_slices (CUDA tensors); the CPU's isfinite path is the reference
+def test_nonfinite_slices_on_the_gpu_name_the_expert_and_half_as_on_the_cpu():
+    from fp8now.layers.finite import nonfinite_slices
+
+    g = torch.Generator().manual_seed(11)
+    w13 = torch.randn(6, 2 * 40, 32, generator=g).to(torch.bfloat16)
+    w2 = torch.randn(6, 32, 40, generator=g).to(torch.bfloat16)
+    w13[2, 45, 3] = float("nan")    # expert 2, up half
+    w13[4, 1, 0] = float("inf")     # expert 4, gate half
+    w2[5, 31, 39] = -float("inf")
+    given = {"w13": w13, "w2": w2}
+    want = nonfinite_slices(given, {"w13": 2})
+    assert want == [("w13", 2, 1), ("w13", 4, 0), ("w2", 5, 0)]
+    assert nonfinite_slices({k: t.to(DEVICE) for k, t in given.items()}, {"w13": 2}) == want
