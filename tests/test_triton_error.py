@@ -101,3 +101,32 @@ def test_the_torch_chunks_equal_the_definitions_too(scheme, dtype):
     got = weight_error.error_stats(w, q, s, scheme, chunk_bytes=128 * 260 * 8).tolist()
     for i, (g, r) in enumerate(zip(got, reference(w, q, s, scheme))):
         assert g == pytest.approx(r, rel=1e-9, abs=1e-300), i
+
+
+@pytest.mark.parametrize("scheme", list(Scheme))
+def test_stacked_experts_in_one_launch_equal_each_experts_definitions(scheme):
+    """Experts [E, N, K] measured in one launch (N a multiple of the program's rows or tile): each expert's seven
+    figures as its own weight's definitions give them; a row count that would cross experts is refused."""
+    n = 128 if scheme is Scheme.BLOCK else 16
+    w = torch.stack([planted(n, 136, torch.bfloat16, seed=20 + e) * (1 + 3 * e) for e in range(3)])
+    q, s = numerics.quantize_weight(w, scheme)
+    got = triton_error.error_stats_stacked(w.to(DEVICE), q.to(DEVICE), s.to(DEVICE), scheme).cpu()
+    assert got.shape == (3, 7)
+    for e in range(3):
+        want = reference(w[e], q[e], s[e], scheme)
+        for i, (g, r) in enumerate(zip(got[e].tolist(), want)):
+            assert g == pytest.approx(r, rel=1e-9, abs=1e-300), (e, i, got[e], want)
+    odd = w[:, : n - 8 if scheme is Scheme.BLOCK else n - 3]
+    assert not triton_error.stacked(odd.shape[1], scheme)
+    with pytest.raises(ValueError, match="do not fill whole programs"):
+        triton_error.error_stats_stacked(odd.contiguous(), q[:, :odd.shape[1]].contiguous(), s, scheme)
+
+
+@pytest.mark.gpu   # experts measured at load on an FP8 GPU take the stacked pass
+@pytest.mark.parametrize("scheme", list(Scheme))
+def test_a_gpu_experts_load_measures_stacked_and_matches_the_torch_chunks(scheme):
+    w = torch.stack([planted(256, 384, torch.bfloat16, seed=30 + e) for e in range(4)]).to(DEVICE)
+    q, s = numerics.quantize_weight(w, scheme)
+    one = weight_error.error_stats(w, q, s, scheme)
+    chunked = weight_error.error_stats(w, q, s, scheme, chunk_bytes=1 << 16)
+    assert one.shape == (4, 7) and torch.allclose(one, chunked, rtol=1e-9, atol=0)

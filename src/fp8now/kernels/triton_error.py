@@ -82,31 +82,71 @@ def _error_kernel(w_ptr, q_ptr, s_ptr, out_ptr, N, K, stride_w, stride_q, stride
     tl.store(out + 6 + tl.arange(0, 1), worst)
 
 
-def error_stats(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: Scheme) -> torch.Tensor:
-    """float64 [7] on w's device, no host sync (see the module docstring); `w`, `q` `[N, K]` with unit column
-    stride, `scale` of the scheme's shape (SPEC §3)."""
+def _partials(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, kind: int) -> torch.Tensor:
+    """float64 `[programs, 7]`: each program's partial sums, in row-major program order."""
     n, k = w.shape
-    if w.stride(1) != 1 or q.stride(1) != 1 or q.shape != w.shape:
-        raise ValueError(f"error_stats expects w and q [N, K] of one shape with unit column stride, got "
-                         f"{tuple(w.shape)} {tuple(w.stride())} and {tuple(q.shape)} {tuple(q.stride())}")
-    if n == 0 or k == 0:
-        return torch.zeros(7, dtype=torch.float64, device=w.device)
-    s = scale.reshape(-1, scale.shape[-1] if scale.dim() == 2 else 1) if scheme is not Scheme.TENSOR \
-        else scale.reshape(1)
-    if scheme is Scheme.BLOCK:
-        kind, block_n, block_k = _BLOCK, TILE, TILE
+    if kind == _BLOCK:
+        block_n, block_k = TILE, TILE
         k_tiles = triton.cdiv(k, TILE)
         grid = (triton.cdiv(n, TILE), triton.cdiv(k_tiles, TILES_PER_PROGRAM))
         steps = min(TILES_PER_PROGRAM, k_tiles)
     else:
-        kind = _CHANNEL if scheme is Scheme.CHANNEL else _TENSOR
         block_n, block_k = ROWS, min(pow2(k), 512)
         grid = (triton.cdiv(n, ROWS), 1)
         steps = triton.cdiv(k, block_k)
     out = torch.zeros(grid[0] * grid[1], 7, dtype=torch.float64, device=w.device)
     _error_kernel[grid](w, q, s, out, n, k, w.stride(0), q.stride(0), s.stride(0),
                         SCHEME=kind, BLOCK_N=block_n, BLOCK_K=block_k, K_STEPS=steps, num_warps=4)
+    return out
+
+
+def _check(w: torch.Tensor, q: torch.Tensor) -> None:
+    if w.stride(-1) != 1 or q.stride(-1) != 1 or q.shape != w.shape:
+        raise ValueError(f"error_stats expects w and q of one shape with unit column stride, got "
+                         f"{tuple(w.shape)} {tuple(w.stride())} and {tuple(q.shape)} {tuple(q.stride())}")
+
+
+def error_stats(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    """float64 [7] on w's device, no host sync (see the module docstring); `w`, `q` `[N, K]` with unit column
+    stride, `scale` of the scheme's shape (SPEC §3)."""
+    _check(w, q)
+    n, k = w.shape
+    if n == 0 or k == 0:
+        return torch.zeros(7, dtype=torch.float64, device=w.device)
+    s = scale.reshape(-1, scale.shape[-1] if scale.dim() == 2 else 1) if scheme is not Scheme.TENSOR \
+        else scale.reshape(1)
+    kind = {Scheme.TENSOR: _TENSOR, Scheme.CHANNEL: _CHANNEL, Scheme.BLOCK: _BLOCK}[scheme]
+    out = _partials(w, q, s, kind)
     stats = torch.cat([out[:, :6].sum(0), out[:, 6].amax().reshape(1)])
     if scheme is Scheme.TENSOR:
         stats[6] = stats[4] / stats[5].clamp(min=1)
+    return stats
+
+
+def stacked(n: int, scheme: Scheme) -> bool:
+    """Can `error_stats_stacked` take experts of `n` rows (no program's rows or tile cross two experts)?"""
+    return n > 0 and n % (TILE if scheme is Scheme.BLOCK else ROWS) == 0
+
+
+def error_stats_stacked(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    """float64 `[E, 7]`: `error_stats` of each expert of `w`, `q` `[E, N, K]` (contiguous rows, `stacked(N)`),
+    `scale` `[E, ...]`, in one launch for all experts. Tensor scales go in as a per-row scale (the same
+    dequantized values); its worst-group fraction is then the expert's own flushed / nonzero."""
+    _check(w, q)
+    e, n, k = w.shape
+    if not stacked(n, scheme):
+        raise ValueError(f"error_stats_stacked: {n} rows per expert do not fill whole programs for {scheme.value}")
+    if k == 0:
+        return torch.zeros(e, 7, dtype=torch.float64, device=w.device)
+    w2, q2 = w.reshape(e * n, k), q.reshape(e * n, k)
+    if scheme is Scheme.BLOCK:
+        s, kind = scale.reshape(e * (n // TILE), -1), _BLOCK
+    elif scheme is Scheme.CHANNEL:
+        s, kind = scale.reshape(e * n, 1), _CHANNEL
+    else:
+        s, kind = scale.reshape(e, 1).expand(e, n).reshape(e * n, 1), _CHANNEL
+    out = _partials(w2, q2, s, kind).view(e, -1, 7)
+    stats = torch.cat([out[:, :, :6].sum(1), out[:, :, 6].amax(1, keepdim=True)], dim=1)
+    if scheme is Scheme.TENSOR:
+        stats[:, 6] = stats[:, 4] / stats[:, 5].clamp(min=1)
     return stats

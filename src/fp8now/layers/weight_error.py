@@ -52,6 +52,11 @@ def error_stats(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: S
     once (kernels.triton_error, no temporaries); elsewhere (or with `chunk_bytes`) torch ops in row chunks
     (~4 MiB on a CPU, where they stay in cache; 256 MiB on a GPU) so the temporaries stay bounded."""
     if w.dim() == 3:
+        if chunk_bytes is None and _one_pass(w, q) and w.is_contiguous() and q.is_contiguous():
+            from ..kernels import triton_error
+
+            if triton_error.stacked(w.shape[1], scheme):   # all experts in one launch
+                return triton_error.error_stats_stacked(w, q, scale, scheme)
         return torch.stack([error_stats(w[e], q[e], scale[e], scheme, chunk_bytes) for e in range(w.shape[0])])
     if chunk_bytes is None and _one_pass(w, q):
         from ..kernels import triton_error
