@@ -116,6 +116,8 @@ def nonfinite_slices(tensors: dict[str, torch.Tensor], parts: dict[str, int]
     pieces: list[torch.Tensor] = []
     where: list[tuple[str, int, int]] = []
     for name, t in tensors.items():
+        if t.device.type == "cpu" and bool(torch.isfinite(peak_abs(t))):   # chunked passes; pieces of a bad one
+            continue
         n = parts.get(name, 1)
         for i in range(t.shape[0]):
             for p, piece in enumerate(t[i].chunk(n) if n > 1 else (t[i],)):
