@@ -79,6 +79,8 @@ def torchao_loader(fast_accum: bool, compiled: bool = False):
 KERNEL_KINDS = (
     ("quantizer", ("_quant_kernel", "_amax_kernel")),
     ("fp8now norm / SiLU*up", ("_rms_norm_kernel", "_silu_mul")),
+    ("fp8now MoE", ("_moe_gemm_kernel", "_combine_kernel", "_gated_token_kernel", "_gated_group_kernel",
+                    "_w13_gated_kernel", "_w2_combine_kernel", "_align_kernel", "_chunk_counts_kernel", "_place_kernel")),
     ("fp8now GEMM", ("_decode_kernel", "_gemv_kernel", "_rowwise_gemm_kernel", "_block_gemm_kernel",
                      "_split_reduce_kernel")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
@@ -103,7 +105,7 @@ def kernel_times(fn) -> dict:
 
 def with_table(loader, **fields):
     """`loader`, then every FP8 linear of the model planned from Table(**fields) (kernels.plan): a plan
-    choice the defaults leave off (the producers' kernels, GEMMs quantizing inside), measured whole-model."""
+    choice other than the defaults (the producers' kernels off, GEMMs quantizing inside), measured whole-model."""
     from fp8now.kernels.plan import Table
     from fp8now.layers.linear import Fp8Linear
 
@@ -128,10 +130,8 @@ def implementations(args) -> dict:
         impls.update({f"fp8now-{s}-fast": fp8now_loader(s, fast_accum=True) for s in schemes if s != "block"})
     if args.full:         # Fp8Config(head=True, embedding=True): lm_head and the embedding in FP8 too
         impls.update({f"fp8now-{s}-full": fp8now_loader(s, head=True, embedding=True) for s in schemes})
-    if args.producers:    # the RMSNorm and SiLU*up producers' kernels on (kernels.plan.PRODUCERS)
-        from fp8now.kernels.plan import PRODUCERS
-        impls.update({f"fp8now-{s}-prod": with_table(fp8now_loader(s), producer_kernels=PRODUCERS)
-                      for s in schemes})
+    if args.producers:    # the RMSNorm and SiLU*up producers' kernels off (on by default: kernels.plan.PRODUCERS)
+        impls.update({f"fp8now-{s}-noprod": with_table(fp8now_loader(s), producer_kernels=()) for s in schemes})
     if args.torchao:
         impls.update({f"torchao-row{accum}{how}": torchao_loader(fast, compiled)
                       for how, compiled in TORCHAO_COMPILE[args.torchao_compile]
@@ -181,7 +181,7 @@ def main() -> None:
     ap.add_argument("--full", action="store_true",
                     help="also fp8now-<scheme>-full: the output head and the input embedding in FP8 too")
     ap.add_argument("--producers", action="store_true",
-                    help="also fp8now-<scheme>-prod: the RMSNorm and SiLU*up producer kernels on (off by default)")
+                    help="also fp8now-<scheme>-noprod: the RMSNorm and SiLU*up producer kernels off (on by default)")
     ap.add_argument("--impls", default="", help="only these implementations, e.g. bf16,fp8now-channel")
     ap.add_argument("--profile", action="store_true", help="GPU time per kernel family of every prefill and "
                     "decode row (torch.profiler; CUDA only)")

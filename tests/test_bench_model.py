@@ -52,7 +52,7 @@ def check_rows(rows: list[dict], impls: set[str], model: str) -> None:
                 assert 1e-4 < r["kl"] < 1.0 and 0.5 <= r["top1"] <= 1.0 and r["tokens"] == 16
 
 
-ALL = ["bf16", "fp8now-channel", "fp8now-block", "fp8now-channel-full", "fp8now-channel-prod", "fp8now-channel-fast"]
+ALL = ["bf16", "fp8now-channel", "fp8now-block", "fp8now-channel-full", "fp8now-channel-noprod", "fp8now-channel-fast"]
 GOOD = set(ALL) - {"fp8now-channel-fast"}
 
 
@@ -100,15 +100,15 @@ def check_variants(rows: list[dict], load: dict) -> None:
     """--full adds fp8now-<scheme>-full (Fp8Config(head=True, embedding=True)). On the tiny preset (vocabulary
     512, hidden 256, untied) it holds, beside fp8now-channel: the embedding at 1 byte an element instead of 2, the
     head at 1 byte plus the cpu backend's 2-byte working copy instead of 2, and one float32 scale per vocabulary
-    row for each: 8 bytes per row in all. --producers adds fp8now-<scheme>-prod (every FP8 linear planned with the
-    RMSNorm and SiLU*up producer kernels on); on the CPU those kernels do not run: channel's bytes and logits.
+    row for each: 8 bytes per row in all. --producers adds fp8now-<scheme>-noprod (every FP8 linear planned with the
+    RMSNorm and SiLU*up producer kernels off); on the CPU those kernels do not run: channel's bytes and logits.
     --fast-accum adds fp8now-<scheme>-fast for tensor and channel only (block has no fast mode); on the CPU their
     load fails (alone, then in the run) as a row naming fast_accum (no backend has it), the others run."""
     assert load["fp8now-channel-full"] - load["fp8now-channel"] == 8 * 512
-    assert load["fp8now-channel-prod"] == load["fp8now-channel"]
+    assert load["fp8now-channel-noprod"] == load["fp8now-channel"]
     acc = {r["impl"]: (r["kl"], r["top1"]) for r in rows if r["phase"] == "accuracy"}
     assert acc["fp8now-channel-full"][0] != acc["fp8now-channel"][0]
-    assert acc["fp8now-channel-prod"] == acc["fp8now-channel"]
+    assert acc["fp8now-channel-noprod"] == acc["fp8now-channel"]
     fast = [x for x in rows if x["impl"] == "fp8now-channel-fast"]
     assert fast and all(x["phase"] == "load" and "fast_accum" in x.get("error", "") for x in fast), fast
     assert any(x["impl"] == "bf16" and "error" not in x for x in rows)

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                    reason="needs a CUDA GPU (run through the device tool)")]
 SIZES = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
              num_hidden_layers=2, vocab_size=512)
-ON = Table(producer_kernels=PRODUCERS, quant_inside=QUANT_INSIDE)   # the default table keeps them off
+ON = Table(producer_kernels=PRODUCERS, quant_inside=QUANT_INSIDE)   # the default table's producers, and more
 OFF = Table(producer_kernels=PRODUCERS, producer_quant=(), quant_inside=QUANT_INSIDE)
 
 

@@ -14,7 +14,8 @@ the norm and a `FusedGatedMLP` in place of the MLP. Per call:
   or, when down_proj's plan reads a producer's bytes, only their FP8 bytes and scales.
 The bytes are those each linear would have made of the kernel's bf16 output (tests/test_producers.py).
 Where the kernels cannot run (another backend, dtype or device; a table without the producer in
-`producer_kernels`) the modules run the original transformers forward. Installed once per model at
+`producer_kernels`; under torch.compile, which fuses the quantizer itself) the modules run the original
+transformers forward. Installed once per model at
 load (`shared_input.share_inputs`); idempotent; not for models split by tensor parallelism.
 """
 
@@ -61,10 +62,12 @@ class Handoff:
 
 
 def _runs(producer: str, consumer: Fp8Linear, x: torch.Tensor) -> bool:
-    """Does `producer` run as its kernel in front of `consumer` on input x: its table says so, and it is
-    on the triton backend on x's device (where the Triton kernels run: the backend checked it)?"""
+    """Does `producer` run as its kernel in front of `consumer` on input x: its table says so, it is on the
+    triton backend on x's device (where the Triton kernels run: the backend checked it), and no torch.compile
+    traces it (there inductor fuses the per-token quantizer into transformers' own ops, `Table.compiled_quant`;
+    a compile of the producers' kernels failed in Inductor 2.11 on the H100, BENCHMARKS.md "Decode fusions")?"""
     return (producer in consumer.table.producer_kernels and consumer.backend == FEEDABLE_BACKEND
-            and consumer.weight.device == x.device)
+            and consumer.weight.device == x.device and not torch.compiler.is_compiling())
 
 
 class FusedRMSNorm(nn.Module):
