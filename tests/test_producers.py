@@ -221,3 +221,21 @@ def test_under_torch_compile_the_producers_step_aside(checkpoints, monkeypatch):
         assert norm.handoff.y is None and torch.equal(y, hf.model.layers[0].input_layernorm(x))
         mlp(x)
     assert "silu-mul" not in {how for _, _, how in rec.take()}
+
+
+def test_a_moe_layers_attention_norm_feeds_its_q_k_v(tmp_path, monkeypatch):
+    """Qwen3-MoE: the input RMSNorm (`Qwen3MoeRMSNorm`) becomes the producer of q/k/v; the norm in front of the
+    experts block stays transformers' (no FP8 linear reads it directly). The producer's quantization on or off
+    (`producer_quant=()`): the same logits bit for bit."""
+    from moe_tiny import save_moe
+    folder = save_moe("qwen3_moe", tmp_path, seed=4, num_hidden_layers=1)
+    on, _ = load(folder, table=Table())
+    off, _ = load(folder, table=Table(producer_quant=()))
+    layer = on.model.layers[0]
+    assert isinstance(layer.input_layernorm, FusedRMSNorm) and len(layer.input_layernorm.consumers) == 3
+    assert type(layer.post_attention_layernorm).__name__ == "Qwen3MoeRMSNorm"
+    rec = Recorder(monkeypatch)
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(6))
+    logits = run(on, ids)
+    assert [how for _, _, how in rec.take()].count("rmsnorm") == 2 * 3
+    assert all(torch.equal(a, b) for a, b in zip(logits, run(off, ids)))

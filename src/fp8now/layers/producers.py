@@ -28,7 +28,8 @@ from ..kernels import triton_norm
 from ..kernels.triton_silu_mul import silu_mul
 from .linear import Fp8Linear
 
-NORM_CLASSES = ("LlamaRMSNorm", "Qwen3RMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")   # weight * norm(x)
+NORM_CLASSES = ("LlamaRMSNorm", "Qwen3RMSNorm", "Qwen2RMSNorm", "MistralRMSNorm",    # weight * norm(x)
+                "Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm", "MixtralRMSNorm")   # (MoE: the attention's input norm)
 MLP_CLASSES = ("LlamaMLP", "Qwen3MLP", "Qwen2MLP", "MistralMLP")                   # down(act(gate) * up)
 SILU_CLASSES = ("SiLU", "SiLUActivation")
 # (a decoder layer's norm, the module reading its output, that module's linears reading it)
