@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..config import Scheme
-from .linear import keep_fp8_on_apply, weight_scale_shape
+from .weights import keep_fp8_on_apply, weight_scale_shape
 from ..numerics import E4M3FN, quantize_weight
 
 EMBEDDING_SCHEME = Scheme.CHANNEL   # an untied embedding's own scales: one per row

@@ -18,7 +18,7 @@ from .finite import check_experts_finite
 from . import moe_cpu
 from ..kernels import cpu, cpu_wquant, quantize_weight, writes_in_place
 from ..kernels.reference import exact_matmul
-from .linear import check_float_weight, keep_fp8_on_apply, weight_scale_shape
+from .weights import check_float_weight, keep_fp8_on_apply, weight_scale_shape
 from .moe_backends import EXPERT_BACKENDS, expert_workspace, pick_expert_backend
 from ..numerics import E4M3FN, quantize_activation
 

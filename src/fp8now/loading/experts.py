@@ -20,7 +20,7 @@ from torch import nn
 
 from ..hf.experts import BIAS_LEAVES, FUSED_LEAVES, ExpertsLayout, hf_shapes, hf_to_fused
 from ..layers.finite import NonFiniteExperts
-from ..layers.linear import check_float_weight
+from ..layers.weights import check_float_weight
 from ..layers.moe import Fp8Experts
 from ..report import ExpertsRow
 from .files import ST_DTYPES

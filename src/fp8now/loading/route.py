@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..hf.legacy import legacy_reason
-from ..layers.linear import check_float_weight
+from ..layers.weights import check_float_weight
 from .files import ST_DTYPES
 from .slots import Slot, resolve_name
 from .source import FileSource, Header

@@ -18,7 +18,8 @@ from torch import nn
 from .. import numerics
 from ..config import Scheme
 from ..hf.modules import set_submodule, tied_names
-from ..layers.linear import Fp8Linear, check_float_weight
+from ..layers.linear import Fp8Linear
+from ..layers.weights import check_float_weight
 from .plan import STYLES, Style, check_heads, resolve_plan
 from .slices import Slice, check_block, split_ranges
 from .forward import check_invariant_backend, install
