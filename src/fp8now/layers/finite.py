@@ -112,7 +112,8 @@ def nonfinite_slices(tensors: dict[str, torch.Tensor], parts: dict[str, int]
     """(name, i, part) for each `t[i]` of a stacked tensor (e.g. one expert) holding NaN or Inf; each `t[i]`
     is cut along its first dim into `parts[name]` (default 1) parts checked apart (gate and up rows); one sync.
 
-    Checked one slice at a time, so the temporaries stay the size of one expert, not of the stack."""
+    No temporary the size of the stack: a CPU stack is first checked whole in chunked passes (its pieces only when
+    it is bad), a GPU's pieces in one `triton_peaks` launch per dtype; elsewhere one piece at a time."""
     pieces: list[torch.Tensor] = []
     where: list[tuple[str, int, int]] = []
     for name, t in tensors.items():
