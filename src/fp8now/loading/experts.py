@@ -166,6 +166,14 @@ class ExpertsLoad:
         if any(lf not in held or (isinstance(held[lf], dict) and len(held[lf]) < self.fused[f"{name}.{lf}"][1][0]
                 * len(self._patterns(held[lf]))) for lf in leaves):   # all experts' keys pass, other ranks' as None
             return False
+        return self._complete(name, held, path, device, dtype, pending, quantizer)
+
+    @torch.no_grad()
+    def _complete(self, name: str, held: dict, path: Path | str, device: torch.device, dtype: torch.dtype,
+                  pending: list | None, quantizer) -> bool:
+        """Layer `name` has all its tensors in `held`: merge, check, quantize, add its row; -> True."""
+        layer, layout = self.layers[name]
+        leaves = hf_shapes(layer, layout)
         tensors = {lf: self._merge(f"{name}.{lf}", held.pop(lf), path) for lf in leaves}
         del self.pending[name]
         for lf, shape in leaves.items():

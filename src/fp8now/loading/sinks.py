@@ -182,13 +182,12 @@ class Sinks:
             t = self.plan.tp.moe.local(d.name, key, experts.pattern_of.get(key), t)
         device = self.device or (t.device if layer.w13.is_meta and t is not None else layer.w13.device)
         dtype = self.dtype or (layer.w13_bias.dtype if layer.w13_bias is not None else layer.w13.dtype)
-        with torch.no_grad():
-            if experts.add(d.name, key, t, where, device, dtype,
-                           self.figures if self.measure and self.plain != "copy" else None, self._quantizer):
-                self.updated.append(layer.name)
-                self._freed(2 * (layer.w13.numel() + layer.w2.numel()), layer.w13.device)
-                if not self.checked:   # (`checked`: every expert tensor's magnitude was measured before)
-                    self.finite.add_peak(scale_peak(layer.w13_scale, layer.w2_scale), f"{where}: experts {layer.name}")
+        if experts.add(d.name, key, t, where, device, dtype,   # (the merge and quantization run under no_grad)
+                       self.figures if self.measure and self.plain != "copy" else None, self._quantizer):
+            self.updated.append(layer.name)
+            self._freed(2 * (layer.w13.numel() + layer.w2.numel()), layer.w13.device)
+            if not self.checked:   # (`checked`: every expert tensor's magnitude was measured before)
+                self.finite.add_peak(scale_peak(layer.w13_scale, layer.w2_scale), f"{where}: experts {layer.name}")
 
     def _embedding(self, layer, key: str, t: torch.Tensor, where: str) -> None:
         """An Fp8Embedding's table: quantized per row as it arrives (NaN/Inf raise before anything is written)."""
