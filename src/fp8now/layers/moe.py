@@ -18,6 +18,7 @@ from .finite import check_experts_finite
 from . import moe_cpu
 from ..kernels import cpu, cpu_wquant, quantize_weight, writes_in_place
 from ..kernels.reference import exact_matmul
+from .moe_rules import combine, expert_act_kind
 from .weights import check_float_weight, keep_fp8_on_apply, weight_scale_shape
 from .moe_backends import EXPERT_BACKENDS, expert_workspace, pick_expert_backend
 from ..numerics import E4M3FN, quantize_activation
@@ -29,26 +30,6 @@ GATES = ("glu", "clamped_swiglu")
 
 def _round_up(n: int, to: int) -> int:
     return n + (-n % to)
-
-
-def expert_act_kind(config: Fp8Config) -> str:
-    """Per-token or per-group activation scales for experts; never one scale over the batch: with
-    activation='tensor' (e.g. scheme "tensor-tensor") the dense layers use per-tensor scales and the
-    experts per-token ones (one scale over the tokens routed to an expert would couple them); the
-    report's experts rows show it."""
-    kind = config.act_kind(config.expert_scheme)
-    return "token" if kind == "tensor" else kind
-
-
-def combine(out: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-    """Each token's routed outputs `out [T*k, H]` weighted and summed in a fixed order -> float32 [T, H]
-    (the same order whatever the batch, or the ranks that computed them: tp_moe_forward.py)."""
-    t, k = top_k_weights.shape
-    weighted = out.float().view(t, k, -1) * top_k_weights.float().unsqueeze(-1)
-    acc = weighted[:, 0]
-    for j in range(1, k):
-        acc = acc + weighted[:, j]
-    return acc
 
 
 class Fp8Experts(nn.Module):

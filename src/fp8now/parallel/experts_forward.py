@@ -21,7 +21,8 @@ from torch import nn
 
 from ..kernels import cpu
 from ..kernels.reference import exact_matmul
-from ..layers.moe import Fp8Experts, combine
+from ..layers.moe import Fp8Experts
+from ..layers.moe_rules import combine
 from ..numerics import quantize_activation
 
 
