@@ -23,6 +23,7 @@ from ..layers.finite import NonFiniteExperts
 from ..layers.weights import check_float_weight
 from ..layers.moe import Fp8Experts
 from ..report import ExpertsRow
+from .expert_merge import one_copy_merge
 from .files import ST_DTYPES
 from .rows import experts_row
 from .slots import Slot
@@ -244,17 +245,28 @@ class ExpertsLoad:
                 check_float_weight(torch.empty(merged_like[looks][0], dtype=merged_like[looks][1], device="meta"),
                                    fused, shape)
 
+    def _ordered(self, held: dict, pattern: str) -> list[str]:
+        """The keys of `held` matching `pattern`, by expert id (from the rename memo; else natural order)."""
+        keys = [k for k in held if self.pattern_of[k] == pattern]
+        ids = [self._renamed[k][2] if k in self._renamed else None for k in keys]
+        if None in ids:
+            return sorted(keys, key=_natural)
+        return [keys[i] for i in sorted(range(len(keys)), key=ids.__getitem__)]
+
     def _merge(self, fused: str, held, path: Path | str) -> torch.Tensor:
-        """A fused tensor: as stored, or merged from its parts by transformers' own converter."""
+        """A fused tensor: as stored, or merged from its parts by transformers' own converter (its plain stack and
+        stack + concatenate in one copy: `one_copy_merge`)."""
         if not isinstance(held, dict):
             return held
         held = {k: t for k, t in held.items() if t is not None}  # None: another rank's expert, not read
-        converter = deepcopy(self.converter_of[self.pattern_of[next(iter(held))]])
-        for pattern in converter.source_patterns:
-            keys = [k for k in held if self.pattern_of[k] == pattern]
-            ids = [self._renamed[k][2] if k in self._renamed else None for k in keys]
-            order = sorted(range(len(keys)), key=ids.__getitem__) if None not in ids else None   # by expert id
-            for key in [keys[i] for i in order] if order is not None else sorted(keys, key=_natural):
+        rule = self.converter_of[self.pattern_of[next(iter(held))]]
+        ordered = [self._ordered(held, pattern) for pattern in rule.source_patterns]
+        merged = one_copy_merge(rule, [[held[k] for k in keys] for keys in ordered])
+        if merged is not None:
+            return merged
+        converter = deepcopy(rule)
+        for pattern, keys in zip(rule.source_patterns, ordered):
+            for key in keys:
                 converter.add_tensor(fused, key, pattern, held[key])
         try:
             out = converter.convert(fused, model=self.model, config=getattr(self.model, "config", None))
