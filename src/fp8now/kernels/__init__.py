@@ -132,18 +132,22 @@ def quantize_weight(w: torch.Tensor, scheme: Scheme, name: str | None = None, we
         return llmc.quantize_weight(w, scheme, weight_numerics, name=name, amax=amax)
     if amax is not None:
         return numerics.quantize_weight(w, scheme, name=name, amax=amax)
-    if w.device.type == "cuda" and device_class(w.device) == "cuda-fp8":
-        from . import triton_quant, triton_wquant  # importable without triton (`available` then says why)
-        if triton_quant.available(w.device) is None:
-            if not checked and not bool(triton_wquant.weight_all_finite(w)):  # one sync per layer
-                raise numerics.nonfinite_error(tuple(w.shape), name)
-            return triton_wquant.quantize_weight(w, scheme.value, out=out)
+    if triton_weights(w.device):
+        from . import triton_wquant
+        if not checked and not bool(triton_wquant.weight_all_finite(w)):  # one sync per layer
+            raise numerics.nonfinite_error(tuple(w.shape), name)
+        return triton_wquant.quantize_weight(w, scheme.value, out=out)
     return numerics.quantize_weight(w, scheme, name=name)
+
+
+def triton_weights(device: torch.device) -> bool:
+    """Do the Triton weight kernels (the load's quantizer, its error pass) run on `device`: an FP8 GPU with Triton?"""
+    if device.type != "cuda" or device_class(device) != "cuda-fp8":
+        return False
+    from . import triton_quant   # importable without triton (`available` then says why)
+    return triton_quant.available(device) is None
 
 
 def writes_in_place(device: torch.device, weight_numerics: str = "spec") -> bool:
     """Does `quantize_weight(..., out=)` on `device` write `out` (the Triton path), stacked experts included?"""
-    if weight_numerics != "spec" or device.type != "cuda" or device_class(device) != "cuda-fp8":
-        return False
-    from . import triton_quant
-    return triton_quant.available(device) is None
+    return weight_numerics == "spec" and triton_weights(device)

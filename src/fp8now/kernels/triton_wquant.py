@@ -140,12 +140,12 @@ def quantize_weight(w: torch.Tensor, scheme: Scheme | str, fmt: Fp8Format = E4M3
     w3 = w if w.dim() == 3 else w.unsqueeze(0)
     E, N, K = w3.shape
     dev = w.device
+    shape = scale_shape(scheme, E, N, K)
     if out is None:
         q_out = torch.empty(w.shape, dtype=fmt.dtype, device=dev)
-        s_out = torch.empty(scale_shape(scheme, E, N, K)[w.dim() == 2:], dtype=torch.float32, device=dev)
+        s_out = torch.empty(shape[w.dim() == 2:], dtype=torch.float32, device=dev)
     else:
         q_out, s_out = out
-        shape = scale_shape(scheme, E, N, K)
         if (q_out.dtype != fmt.dtype or s_out.dtype != torch.float32 or q_out.numel() != w.numel()
                 or s_out.numel() != math.prod(shape) or not (q_out.is_contiguous() and s_out.is_contiguous())
                 or q_out.device != dev or s_out.device != dev):
@@ -153,7 +153,7 @@ def quantize_weight(w: torch.Tensor, scheme: Scheme | str, fmt: Fp8Format = E4M3
                              f"of {shape} on {dev}; got {q_out.dtype} {tuple(q_out.shape)}, {s_out.dtype} "
                              f"{tuple(s_out.shape)}")
     q = q_out.view(E, N, K)
-    s = s_out.view(scale_shape(scheme, E, N, K))
+    s = s_out.view(shape)
     if scheme is Scheme.TENSOR:
         amax_bits = torch.zeros((E,), dtype=torch.int32, device=dev)
         for e in range(E):

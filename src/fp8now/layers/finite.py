@@ -7,25 +7,25 @@ from __future__ import annotations
 import torch
 
 from ..kernels import triton_peaks
+from ..kernels.cpu_wquant import tensor_amax
 from ..numerics import E4M3FN
 
-_CHUNK = 1 << 24  # elements per aminmax pass
+_CHUNK = 1 << 24  # elements per float32 chunk of an FP8 tensor
 # Beyond this magnitude a finite weight, norm or bias is taken as corrupt: fp16's largest value, which every
 # fp16 checkpoint respects and no trained bf16 weight comes near. Only warned: the values are used as they are.
 ABSURD = 65504.0
 
 
 def peak_abs(t: torch.Tensor) -> torch.Tensor:
-    """max |t| as a float32 scalar on t's device, NaN when t holds NaN and inf when it holds an infinity;
-    chunked, so its temporaries stay small whatever the tensor."""
+    """max |t| as a float32 scalar on t's device, NaN when t holds NaN and inf when it holds an infinity: one
+    `aminmax` pass (`cpu_wquant.tensor_amax`, no temporary); FP8 in float32 chunks, so the copies stay small."""
     flat = t.reshape(-1)
-    if flat.numel() <= _CHUNK and flat.element_size() > 1:   # most tensors: one pass, fewer small ops
-        lo, hi = torch.aminmax(flat)
-        return torch.maximum(hi, -lo).float()
+    if flat.element_size() > 1:   # one aminmax pass: no temporary, whatever the size
+        return tensor_amax(flat)
     peak = None
     for i in range(0, flat.numel(), _CHUNK):
         part = flat[i:i + _CHUNK]
-        lo, hi = torch.aminmax(part if part.element_size() > 1 else part.float())   # FP8 has no aminmax
+        lo, hi = torch.aminmax(part.float())   # FP8 has no aminmax: float32 a chunk at a time
         p = torch.maximum(hi.float(), -lo.float())
         peak = p if peak is None else torch.maximum(peak, p)
     return peak

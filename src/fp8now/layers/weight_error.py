@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..config import WEIGHT_GROUP, Scheme
-from ..kernels import device_class
+from ..kernels import triton_weights
 from ..numerics import dequantize
 
 _STATS_CHUNK_BYTES = 4 << 20      # float64 bytes per chunk when measuring the weight error on a CPU
@@ -38,10 +38,7 @@ def _group_counts(mask: torch.Tensor, scheme: Scheme) -> torch.Tensor:
 
 def _one_pass(w: torch.Tensor, q: torch.Tensor) -> bool:
     """Whether the Triton pass (kernels.triton_error) measures this weight: an FP8 GPU with Triton."""
-    if w.device.type != "cuda" or device_class(w.device) != "cuda-fp8" or w.stride(-1) != 1 or q.stride(-1) != 1:
-        return False
-    from ..kernels import triton_quant   # Triton is imported for GPUs only
-    return triton_quant.available(w.device) is None
+    return w.stride(-1) == 1 and q.stride(-1) == 1 and triton_weights(w.device)
 
 
 def error_stats(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: Scheme,
