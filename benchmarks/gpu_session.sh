@@ -21,6 +21,8 @@
 # ($OUT/moe_$GPU.json); $GPU is h100, h200 or gpu, from the device name.
 #   GPU_TESTS      test files for the tests phase (default: tests/, every test marked gpu or triton)
 #   GPU_TESTS_TIMEOUT  seconds for the tests phase (default 560)
+#   GPU_TESTS_WORKERS  pytest-xdist workers sharing the GPU (their Triton compiles run in parallel; the whole suite
+#                  fits one call with 6); pytest-xdist and execnet wheels carried in .whl/ where the machine lacks them
 # fusion: issue 38's decode fusions: their tests on the GPU (tests/test_decode_fusion.py, test_gpu_producers.py),
 # then benchmarks/check_decode_fusion.py (bytes on real shapes, GPU time fused vs unfused) -> $OUT/decode_fusion_<gpu>.json.
 # load: bench_model's load and reload rows (LOAD_MODELS, default llama3.1-8b; LOAD_ARGS, e.g. --cold) ->
@@ -42,7 +44,8 @@ has() { [[ ",$phases," == *",$1,"* ]]; }
 GPU=$(python3 -c "import torch; n = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ''
 print('h200' if 'h200' in n else 'h100' if 'h100' in n else 'gpu')")
 if has tests; then
-  timeout ${GPU_TESTS_TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" ${GPU_TESTS:-tests} 2>&1 \
+  timeout ${GPU_TESTS_TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" \
+    ${GPU_TESTS_WORKERS:+-n $GPU_TESTS_WORKERS --dist worksteal} ${GPU_TESTS:-tests} 2>&1 \
     | tee "$OUT/pytest_gpu.log" | tail -30 || rc=1
 fi
 if has core; then

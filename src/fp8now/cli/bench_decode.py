@@ -23,7 +23,7 @@ def causal_mask(positions: torch.Tensor, cache_len: int, batch: int) -> torch.Te
     return (slots[None, :] <= positions[:, None])[None, None].expand(batch, 1, -1, -1)
 
 
-@torch.inference_mode()
+@torch.no_grad()   # not inference mode: torch.compile of a step run under it fails (pytorch/pytorch#180823)
 def decode_step(model: nn.Module, batch: int, context: int, vocab: int, seed: int, device: torch.device
                 ) -> Callable[[], torch.Tensor]:
     """A StaticCache holding `context` tokens of each of `batch` random sequences, and the step that
@@ -50,7 +50,7 @@ def decode_step(model: nn.Module, batch: int, context: int, vocab: int, seed: in
     mask = causal_mask(step_pos, context + 1, batch)
 
     def step() -> torch.Tensor:
-        with torch.inference_mode():
+        with torch.no_grad():
             torch._foreach_copy_(counters, starts)   # the cache writes slot `context` again
             return model(input_ids=ids, position_ids=positions, cache_position=step_pos, attention_mask=mask,
                          past_key_values=cache, use_cache=True).logits
