@@ -82,7 +82,7 @@ KERNEL_KINDS = (
     ("fp8now MoE", ("_moe_gemm_kernel", "_combine_kernel", "_gated_token_kernel", "_gated_group_kernel",
                     "_w13_gated_kernel", "_w2_combine_kernel", "_align_kernel", "_chunk_counts_kernel", "_place_kernel")),
     ("fp8now GEMM", ("_decode_kernel", "_gemv_kernel", "_rowwise_gemm_kernel", "_block_gemm_kernel",
-                     "_split_reduce_kernel")),
+                     "split_reduce_kernel")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
     ("cuBLAS/CUTLASS GEMM", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "sm90", "matmul", "cublas")),
 )

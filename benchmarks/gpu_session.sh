@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Check and time fp8now on one GPU in one call. Usage: bash benchmarks/gpu_session.sh [PHASES]
-# PHASES: a comma list of tests,core,quant,linear,decode,model,moe,kl,fusion,load,recheck (default tests,core,quant,decode,linear).
+# PHASES: a comma list of tests,core,quant,linear,decode,model,moe,kl,fusion,load,recheck,probes (default
+# tests,core,quant,decode,linear).
 # Each benchmark writes its results file into $OUT (default /tmp/out) under the name it has in
 # benchmarks/results/; copy the files there to replace the current ones. Environment:
 #   LINEAR_SHAPES  N x K list for bench_linear (e.g. 4096x4096,8192x8192; default all seven shapes,
@@ -101,6 +102,21 @@ if has recheck; then
       --phases accuracy,prefill,decode --profile --workdir /tmp/fp8now-bench --out "$OUT/model_$GPU.json" \
       $([ $m = qwen3-30b-a3b ] && echo --add) 2>&1 | grep -v "UserWarning\|warn_once" | tail -12 || rc=1
   done
+fi
+if has probes; then   # open questions of issues 37 and 38, one call: the per-token SiLU*up -> FP8 kernel's launches;
+  # the Qwen3 reload of an older tree (PROBE_OLD: a folder holding its src/, made before the call with
+  # `mkdir -p probe_old02 && git archive 02ebf25 src | tar -x -C probe_old02`; never committed) against this one;
+  # other sorted-path tiles of the MoE GEMMs at prefill sizes (MOE_TILES)
+  timeout 120 python3 benchmarks/probe_silu.py "$OUT/probe_silu_$GPU.json" 2>&1 | grep -v "UserWarning\|warn_once" \
+    | tail -32 || rc=1
+  old=${PROBE_OLD:-probe_old02}
+  if [ -d "$old/src" ]; then
+    timeout 150 python3 benchmarks/probe_reload.py "$OUT/probe_reload_$GPU.json" "$PWD/$old/src" "$PWD/src" 2>&1 \
+      | tail -24 || rc=1
+  fi
+  (cd benchmarks && timeout 240 python3 tune_moe.py --tokens 4096,16384 --out "$OUT/moe_tiles_$GPU.json" \
+    --tiles ${MOE_TILES:-128x128x4x3,128x128x8x3,128x256x8x3,64x128x4x3,64x256x8x4,128x64x4x4} 2>&1 \
+    | grep -v "UserWarning\|warn_once" | tail -40) || rc=1
 fi
 if has kl; then
   for s in channel tensor; do for f in "" --fast-accum; do

@@ -10,6 +10,7 @@ on the same tiles must agree bit for bit).
 
     PYTHONPATH=src python benchmarks/tune_moe.py --out /tmp/out/moe_tune_h200.json
     ... --device cpu   # smoke run: tiny shapes in Triton's interpreter, wall time, no graphs
+    ... --tokens 4096,16384 --tiles 128x128x4x3,128x256x8x3   # other tiles of the sorted path, same rows
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from timing import GraphTimer, copies_for, host_ms, l2_flushed_ms
 BEFORE_ROWS = ((16, 16, 64, 4, 4), (64, 32, 128, 4, 4), (256, 64, 128, 4, 4), (None, 128, 128, 8, 4))
 
 
-def variants(scheme: str, t: int, k: int, e: int) -> dict:
-    """label -> MoePath: the plan now, the plan before, and single changes between them."""
+def variants(scheme: str, t: int, k: int, e: int, tiles: tuple = ()) -> dict:
+    """label -> MoePath: the plan now, the plan before, and single changes between them; where the plan runs the
+    sorted path, also each of `tiles` ((BLOCK_M, BLOCK_N, num_warps, num_stages)) in its place."""
     from fp8now.kernels.plan import MoeTable, moe_plan
     now = moe_plan(scheme, t, k, e)
     before = moe_plan(scheme, t, k, e, table=MoeTable(rows=BEFORE_ROWS, direct_max_slots=0))
@@ -43,6 +45,10 @@ def variants(scheme: str, t: int, k: int, e: int) -> dict:
         out["align=torch"] = dataclasses.replace(now, align="torch")
     if now.num_warps != 4:
         out["4 warps"] = dataclasses.replace(now, num_warps=4)
+    if now.kernel == "sorted":
+        for bm, bn, warps, stages in tiles:
+            out[f"tile {bm}x{bn} w{warps} s{stages}"] = dataclasses.replace(now, block_m=bm, block_n=bn,
+                                                                           num_warps=warps, num_stages=stages)
     return out
 
 
@@ -71,7 +77,7 @@ def run(args) -> list[dict]:
                 idx, wts = route(x, router, k)
                 hit, touched = touched_fp8_bytes(idx, h, i)
                 ref = None
-                for label, path in variants(scheme, t, k, e).items():
+                for label, path in variants(scheme, t, k, e, args.tiles).items():
                     call = lambda m, p=path: experts_forward(x, idx, wts, expert_weights(m), expert_gate(m), p,  # noqa: E731
                                                              m.workspace)
                     y = call(layers[0])
@@ -101,6 +107,8 @@ def main() -> None:
     ap.add_argument("--schemes", default="channel", help="fp8now schemes (default channel)")
     ap.add_argument("--tokens", default="1,8,64,2048,4096", help="tokens per call (default 1,8,64,2048,4096)")
     ap.add_argument("--rep-ms", type=int, default=25)
+    ap.add_argument("--tiles", default="", help="more sorted-path tiles to time where the plan sorts, as "
+                    "BMxBNxWARPSxSTAGES, comma-separated (e.g. 128x128x4x3,128x256x8x3,64x128x4x4)")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA GPU here: run with --device cpu for the smoke run")
@@ -111,6 +119,9 @@ def main() -> None:
         sys.exit(f"unknown shapes {unknown} on {args.device}; known: {', '.join(table)}")
     args.schemes = [s for s in args.schemes.split(",") if s]
     args.tokens = [int(v) for v in args.tokens.split(",") if v]
+    args.tiles = tuple(tuple(int(v) for v in tile.split("x")) for tile in args.tiles.split(",") if tile)
+    if any(len(tile) != 4 for tile in args.tiles):
+        sys.exit("--tiles: each tile is BMxBNxWARPSxSTAGES, e.g. 128x128x4x3")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     run(args)
