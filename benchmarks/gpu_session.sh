@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check and time fp8now on one GPU in one call. Usage: bash benchmarks/gpu_session.sh [PHASES]
-# PHASES: a comma list of tests,core,quant,linear,decode,model,moe,kl,fusion,load,recheck,probes (default
+# PHASES: a comma list of tests,core,quant,linear,decode,model,moe,kl,fusion,load,recheck,probes,tiles (default
 # tests,core,quant,decode,linear).
 # Each benchmark writes its results file into $OUT (default /tmp/out) under the name it has in
 # benchmarks/results/; copy the files there to replace the current ones. Environment:
@@ -106,7 +106,7 @@ fi
 if has probes; then   # open questions of issues 37 and 38, one call: the per-token SiLU*up -> FP8 kernel's launches;
   # the Qwen3 reload of an older tree (PROBE_OLD: a folder holding its src/, made before the call with
   # `mkdir -p probe_old02 && git archive 02ebf25 src | tar -x -C probe_old02`; never committed) against this one;
-  # other sorted-path tiles of the MoE GEMMs at prefill sizes (MOE_TILES)
+  # the stacked one-token GEMVs
   timeout 120 python3 benchmarks/probe_silu.py "$OUT/probe_silu_$GPU.json" 2>&1 | grep -v "UserWarning\|warn_once" \
     | tail -32 || rc=1
   old=${PROBE_OLD:-probe_old02}
@@ -114,7 +114,14 @@ if has probes; then   # open questions of issues 37 and 38, one call: the per-to
     timeout 150 python3 benchmarks/probe_reload.py "$OUT/probe_reload_$GPU.json" "$PWD/$old/src" "$PWD/src" 2>&1 \
       | tail -24 || rc=1
   fi
-  (cd benchmarks && timeout 240 python3 tune_moe.py --tokens 4096,16384 --out "$OUT/moe_tiles_$GPU.json" \
+  # the stacked one-token GEMVs (fp8now.layers.stacked): their GPU tests, then Llama's decode rows with them
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_producers.py -k stacked 2>&1 | tail -4 || rc=1
+  timeout 240 python3 benchmarks/bench_model.py llama3.1-8b --stacked --impls bf16,fp8now-channel,fp8now-channel-stacked \
+    --phases decode --profile --workdir /tmp/fp8now-bench --out "$OUT/model_stacked_$GPU.json" 2>&1 \
+    | grep -v "UserWarning\|warn_once" | tail -8 || rc=1
+fi
+if has tiles; then   # other sorted-path tiles of the MoE GEMMs at prefill sizes (MOE_TILES), against the plan's
+  (cd benchmarks && timeout 300 python3 tune_moe.py --tokens 4096,16384 --out "$OUT/moe_tiles_$GPU.json" \
     --tiles ${MOE_TILES:-128x128x4x3,128x128x8x3,128x256x8x3,64x128x4x3,64x256x8x4,128x64x4x4} 2>&1 \
     | grep -v "UserWarning\|warn_once" | tail -40) || rc=1
 fi

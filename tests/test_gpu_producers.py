@@ -11,7 +11,7 @@ import torch
 import fp8now
 from fp8now import Fp8Config, Fp8Linear
 from fp8now.cli.bench_decode import captured, decode_step
-from fp8now.kernels.plan import PRODUCERS, QUANT_INSIDE, Table
+from fp8now.kernels.plan import PRODUCERS, QUANT_INSIDE, WIDE, Table
 from fp8now.layers.producers import FusedGatedMLP, FusedRMSNorm
 from tiny import write_tiny_checkpoint
 
@@ -68,3 +68,22 @@ def test_whole_step_graph_and_compile_on_and_off(folder, scheme, mode):
         breaks.append(sum(dynamo_utils.counters["graph_break"].values()))
     assert all(torch.equal(a, b) for a, b in zip(*outs))
     assert breaks[0] <= breaks[1], breaks
+
+
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_stacked_gemvs_give_the_same_decode_steps(folder, scheme, mode):
+    """fp8now.layers.stacked on the GPU: one-token steps with the stacked GEMVs (q/k/v, gate/up; block: the
+    layers whose N is whole 128-row tiles) equal the layers' own launches bit for bit, eager (the stack's own
+    per-layer graphs captured at the second sighting) and replayed from one CUDA graph of the whole step."""
+    outs = []
+    for stacked in (False, True):
+        # the GEMV at every N for block too (the default table takes it from N = 4096), so its stacks run
+        model = load(folder, scheme, Table(stacked_gemv=stacked, gemv=(("channel", 1, 0, WIDE), ("block", 1, 0, WIDE))))
+        assert model.model.layers[0].mlp.gate_proj.stack is not None
+        step = captured(decode_step(model, 1, 16, 512, seed=7, device=torch.device("cuda")), mode,
+                        torch.device("cuda"))
+        outs.append([step().clone() for _ in range(4)])
+        if stacked and mode == "eager":
+            assert model.model.layers[0].mlp.gate_proj.stack.graphs.entries   # captured at the second sighting
+    assert all(torch.equal(a, b) and torch.isfinite(a).all() for a, b in zip(*outs))

@@ -153,6 +153,13 @@ def _named_tensors(model: nn.Module, fmt: str) -> list[tuple[str, torch.Tensor]]
     return to_checkpoint_names(model, out, exact) + ready
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the host in storage of its own: safetensors refuses tensors sharing one (e.g. the slices of a
+    `layers.stacked.Stack`)."""
+    t = t.contiguous().cpu()
+    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
+
+
 def _shards(tensors: list[tuple[str, torch.Tensor]], max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
     """Consecutive groups of at most `max_bytes` each (a larger single tensor gets a shard of its own)."""
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
@@ -239,7 +246,7 @@ def _save(model: nn.Module, out_dir: str | Path, format: str, source: str | Path
         weight_map: dict[str, str] = {}
         for i, shard in enumerate(shards):
             fname = SINGLE_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file({k: t.contiguous().cpu() for k, t in shard}, str(tmp / fname), metadata={"format": "pt"})
+            save_file({k: _own(t) for k, t in shard}, str(tmp / fname), metadata={"format": "pt"})
             weight_map.update({k: fname for k, _ in shard})
         if len(shards) > 1:
             total = sum(t.numel() * t.element_size() for shard in shards for _, t in shard)

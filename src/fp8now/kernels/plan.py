@@ -65,6 +65,11 @@ class Table:
     # of those, the ones whose kernel also writes the FP8 bytes + scales its consumers read instead of
     # quantizing its bf16 output themselves (the same bytes)
     producer_quant: tuple[str, ...] = PRODUCERS
+    # one-token calls of sibling linears fed by one RMSNorm producer (q/k/v; gate/up), whose weights are row
+    # slices of one buffer (fp8now.layers.stacked): one GEMV launch for all of them instead of one each (the
+    # same config and bytes). Off until measured on a GPU (BENCHMARKS.md "Whole model": 96 launches of a
+    # Llama-3.1-8B step, ~0.28 ms by the launch count).
+    stacked_gemv: bool = False
 
 
 # Device class -> table. Only "cuda-fp8" runs the triton backend; its numbers come from the H200.

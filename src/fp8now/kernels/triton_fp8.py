@@ -93,7 +93,7 @@ def linear_fp8(x_q: torch.Tensor, x_s: torch.Tensor, out_dtype: torch.dtype, wei
     gemm, fast = path.gemm, path.fast_accum
     if gemm == "triton-gemv":
         return triton_gemv.gemv(x_q, w_q, w_s, path.scheme.value, bias, x_scale=x_s, out_dtype=out_dtype,
-                                pdl=path.pdl)
+                                pdl=path.pdl, config=dict(path.config) or None)
     if gemm.startswith("triton-decode"):
         return _decode(x_q, x_s, out_dtype, weights, path)
     if gemm == "triton-block":

@@ -67,6 +67,8 @@ class Fp8Linear(nn.Module):
         # (kernels.plan.PRODUCERS), and for an RMSNorm the handoff it leaves the bytes in.
         self.producer: str | None = None
         self.input_handoff = None
+        # Set by `stacked.Stack`: the siblings whose weights share one buffer with this one (one-row GEMVs).
+        self.stack = None
         # Set by `cpu_quantizer.install`: the cpu backend's compiled activation quantizer (None: torch ops).
         self.act_quantizer = None
 
@@ -203,7 +205,9 @@ class Fp8Linear(nn.Module):
         fp8 = None if self.input_handoff is None else self.input_handoff.take(x, self.act_kind)
         if fp8 is not None and self.planned(fp8[0].shape[0], True).quant == self.producer:
             # x came from the RMSNorm in front, which wrote its FP8 bytes for this layer too
-            return self.forward_fp8(*fp8, x.dtype).reshape(*x.shape[:-1], self.out_features)
+            y = None if self.stack is None else self.stack.output(self, *fp8, x.dtype)
+            y = self.forward_fp8(*fp8, x.dtype) if y is None else y
+            return y.reshape(*x.shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features)
         if 0 < x2.shape[0] <= self._graph_rows and decode_graphs.usable(x2):   # rows > 0: _graphs is set
             y = self._graphs.run(x2, self._launch, self.out_features, self._addresses())

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..kernels import triton_norm
 from ..kernels.triton_silu_mul import silu_mul
+from . import stacked
 from .linear import Fp8Linear
 
 NORM_CLASSES = ("LlamaRMSNorm", "Qwen3RMSNorm", "Qwen2RMSNorm", "MistralRMSNorm",    # weight * norm(x)
@@ -165,6 +166,9 @@ def install(model: nn.Module) -> int:
             for c in consumers:
                 c.producer, c.input_handoff = "rmsnorm", fused.handoff
             reader.register_forward_hook(fused.handoff.clear, always_call=True)
+            group = stacked.stack(consumers)   # one buffer per tensor: one-row GEMVs in one launch
+            if group is not None:
+                reader.register_forward_hook(group.clear, always_call=True)
             setattr(block, norm_name, fused)
             replaced += 1
     return replaced
