@@ -103,6 +103,12 @@ class ExpertsLoad:
         renamed, pattern = rename_source_key(key, renamings, converters, prefix or None, self._lookup)
         return (renamed, pattern) if renamed in self._lookup else (None, None)
 
+    def is_part(self, key: str) -> bool:
+        """Was `key` renamed before (this load, or an earlier reload of the model) as one expert's tensor of a
+        fused param? Then it is no model name (renaming is only tried for keys that are none)."""
+        memo = self._renamed.get(key)
+        return memo is not None and memo[0] is not None and memo[1] is not None
+
     def claim(self, key: str, path: Path | str, st_dtype: str, known: set[str], prefix: str
               ) -> tuple[str | None, bool]:
         """`rename`, and note a per-expert tensor as a part of its fused param: (model name or None, is_part).
@@ -159,7 +165,10 @@ class ExpertsLoad:
             raise ValueError(f"{path}: {key!r}: {fused} was given both whole and as per-expert tensors; "
                              "pass one of the two")
         if key in self.pattern_of:
-            held.setdefault(leaf, {})[key] = t
+            parts = held.setdefault(leaf, {})
+            parts[key] = t
+            if len(parts) < self.fused[fused][1][0] * len(self._patterns(parts)):   # this leaf waits for more
+                return False
         else:
             held[leaf] = t
         layer, layout = self.layers[name]
@@ -236,9 +245,10 @@ class ExpertsLoad:
         for fused, by_pattern in self.parts.items():
             keys = [k for ks in by_pattern.values() for k in ks if k in given]
             shape = self.fused[fused][1]   # [E, ...]: all experts, whichever this rank holds
-            if keys and len(keys) == shape[0] * len(self._patterns(dict.fromkeys(keys))):
+            if keys and len(keys) == shape[0] * len(self.converter_of[self.pattern_of[keys[0]]].source_patterns):
+                pattern_of = self.pattern_of
                 looks = (fused.rsplit(".", 1)[1], tuple(sorted(Counter(
-                    (self.pattern_of[k], tuple(given[k].shape), given[k].dtype) for k in keys).items(), key=str)))
+                    (pattern_of[k], (t := given[k]).shape, t.dtype) for k in keys).items(), key=str)))
                 if looks not in merged_like:
                     merged = self._merge(fused, {k: given[k].to("meta") for k in keys}, where)
                     merged_like[looks] = (tuple(merged.shape), merged.dtype)

@@ -71,6 +71,7 @@ class Sinks:
         self.pending: dict[str, dict[str, tuple[torch.Tensor, str, str]]] = {}   # FP8 layer -> leaf -> parts
         self.figures: list[Pending] = []           # rows whose error figures wait for their sums (one sync)
         self._since_trim = 0
+        self._experts_target: dict[str, tuple[torch.device, torch.dtype]] = {}   # loaded experts: (device, dtype)
 
     def add(self, d: Dest, key: str, t: torch.Tensor | None, where: str) -> None:
         """Take one tensor routed to `d` (`where`: its file, or the call, for messages)."""
@@ -180,8 +181,14 @@ class Sinks:
         experts, layer = self.plan.experts, self.plan.slots[d.name].owner
         if self.whole and self.plan.tp is not None:   # this rank's part (None: another rank's expert)
             t = self.plan.tp.moe.local(d.name, key, experts.pattern_of.get(key), t)
-        device = self.device or (t.device if layer.w13.is_meta and t is not None else layer.w13.device)
-        dtype = self.dtype or (layer.w13_bias.dtype if layer.w13_bias is not None else layer.w13.dtype)
+        target = self._experts_target.get(d.name)   # (device, dtype) of a loaded layer: the same for every key
+        if target is None:
+            device = self.device or (t.device if layer.w13.is_meta and t is not None else layer.w13.device)
+            dtype = self.dtype or (layer.w13_bias.dtype if layer.w13_bias is not None else layer.w13.dtype)
+            target = (device, dtype)
+            if not layer.w13.is_meta:
+                self._experts_target[d.name] = target
+        device, dtype = target
         if experts.add(d.name, key, t, where, device, dtype,   # (the merge and quantization run under no_grad)
                        self.figures if self.measure and self.plain != "copy" else None, self._quantizer):
             self.updated.append(layer.name)
