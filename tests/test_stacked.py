@@ -92,6 +92,7 @@ def test_one_token_runs_one_gemv_per_stack_with_the_same_logits(folders, monkeyp
     else:
         assert attn.q_proj.stack is None and "multiple of 128" in unstackable([attn.q_proj, attn.k_proj])
     assert mlp.gate_proj.stack is mlp.up_proj.stack is not None
+    assert "stacked with gate_proj" in repr(mlp.up_proj)
     assert [n for n in seen if n in want_stacks] == want_stacks
     assert len(n_alone) - len(seen) == (3 if scheme == "channel" else 1)
     # the stacked storage holds each layer's own quantization of its checkpoint tensor (numerics, independently)

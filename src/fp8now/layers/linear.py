@@ -263,4 +263,6 @@ class Fp8Linear(nn.Module):
                 f"bias={self.bias is not None}, scheme={self.scheme.value}, act={self.act_kind}, "
                 f"backend={self.backend or 'unloaded'}"
                 + (", batch_invariant=True" if self.batch_invariant else "")
-                + (", fast_accum=True" if self.fast_accum else ""))
+                + (", fast_accum=True" if self.fast_accum else "")
+                + (", stacked with " + ", ".join(m.name.rsplit(".", 1)[-1] or "?" for m in self.stack.members
+                                                  if m is not self) if self.stack is not None else ""))
