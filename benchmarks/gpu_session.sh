@@ -120,10 +120,15 @@ if has probes; then   # open questions of issues 37 and 38, one call: the per-to
     --phases decode --profile --workdir /tmp/fp8now-bench --out "$OUT/model_stacked_$GPU.json" 2>&1 \
     | grep -v "UserWarning\|warn_once" | tail -8 || rc=1
 fi
-if has tiles; then   # other sorted-path tiles of the MoE GEMMs at prefill sizes (MOE_TILES), against the plan's
+if has tiles; then   # other sorted-path tiles of the MoE GEMMs at prefill sizes (MOE_TILES), against the plan's;
+  # then Qwen3's prefill with the experts' fast accumulation
   (cd benchmarks && timeout 300 python3 tune_moe.py --tokens 4096,16384 --out "$OUT/moe_tiles_$GPU.json" \
     --tiles ${MOE_TILES:-128x128x4x3,128x128x8x3,128x256x8x3,64x128x4x3,64x256x8x4,128x64x4x4} 2>&1 \
     | grep -v "UserWarning\|warn_once" | tail -40) || rc=1
+  # Fp8Config(fast_accum=True) now reaches the experts' grouped GEMMs too: Qwen3's prefill with and without it
+  timeout 240 python3 benchmarks/bench_model.py qwen3-30b-a3b --fast-accum --impls bf16,fp8now-channel,fp8now-channel-fast \
+    --phases accuracy,prefill --workdir /tmp/fp8now-bench --out "$OUT/model_fast_$GPU.json" 2>&1 \
+    | grep -v "UserWarning\|warn_once" | tail -8 || rc=1
 fi
 if has kl; then
   for s in channel tensor; do for f in "" --fast-accum; do

@@ -40,7 +40,8 @@ def routing_of(t: int, k: int, e: int, seed: int) -> torch.Tensor:
     return idx.to(DEV)
 
 
-def experts(scheme, e, h, i, gate="glu", bias=False, seed=0, backend="triton", batch_invariant=False):
+def experts(scheme, e, h, i, gate="glu", bias=False, seed=0, backend="triton", batch_invariant=False,
+            fast_accum=False):
     """A loaded Fp8Experts whose experts differ in magnitude by 40x (a shared scale would show)."""
     g = torch.Generator().manual_seed(seed)
     mag = torch.linspace(1.0, 40.0, e).reshape(e, 1, 1) * 0.01
@@ -48,7 +49,7 @@ def experts(scheme, e, h, i, gate="glu", bias=False, seed=0, backend="triton", b
     w2 = (torch.randn(e, h, i, generator=g) * mag * 4).bfloat16()
     b13, b2 = (torch.randn(e, 2 * i, generator=g).bfloat16() * 0.1, torch.randn(e, h, generator=g).bfloat16()) \
         if bias else (None, None)
-    cfg = Fp8Config(scheme=scheme, backend=backend, batch_invariant=batch_invariant)
+    cfg = Fp8Config(scheme=scheme, backend=backend, batch_invariant=batch_invariant, fast_accum=fast_accum)
     m = Fp8Experts(e, h, i, cfg, bias=bias, gate=gate, act_fn=torch.nn.SiLU(), limit=LIMIT, name="experts",
                    device=DEV)
     m.load_(*(None if w is None else w.to(DEV) for w in (w13, w2, b13, b2)))
@@ -278,3 +279,35 @@ def test_plan_is_a_pure_table_lookup():
     assert kp.moe_plan("tensor", 1, 1, 4, table=table).block_m == 32
     assert "BLOCK_M=16" in p1.name and "align=triton-chunked" in p2.name
     assert [kp.moe_plan("tensor", t, 8, 128).align for t in (1, 512, 513)] == ["none", "triton", "triton-chunked"]
+
+
+def test_fast_accumulation_is_planned_for_the_sorted_token_path_only():
+    """Fp8Config(fast_accum=True): the sorted path's grouped GEMMs with per-token scales; never the direct kernels
+    (few slots), block's 1x128 groups (scaled per K-block) or batch-invariant mode."""
+    fast = lambda scheme, t, **kw: kp.moe_plan(scheme, t, 8, 128, fast_accum=True, **kw)  # noqa: E731
+    assert fast("channel", 4096).fast_accum and fast("tensor", 4096).fast_accum
+    assert "fast-accum" in fast("channel", 4096).name and "fast-accum" not in kp.moe_plan("channel", 4096, 8, 128).name
+    assert not fast("channel", 1).fast_accum and fast("channel", 1).kernel == "direct"
+    assert not fast("block", 4096).fast_accum
+    assert not fast("channel", 4096, batch_invariant=True).fast_accum
+
+
+@pytest.mark.parametrize("scheme", ["tensor", "channel"])
+def test_fast_accumulation_layer_matches_the_exact_oracle(scheme):
+    """The layer with fast accumulation on the sorted path (K = 384: three 128-deep blocks, whose products stay
+    in one accumulator) against the float64 oracle, as the promoting path is; its plan says fast-accum."""
+    e, h, i, t, k = 6, 384, 128, 40, 2
+    m = experts(scheme, e, h, i, "glu", True, seed=21)
+    m_fast = experts(scheme, e, h, i, "glu", True, seed=21, fast_accum=True)
+    assert m_fast.fast_accum and not m.fast_accum
+    x = (torch.randn(t, h, generator=torch.Generator().manual_seed(22)) * 2).bfloat16().to(DEV)
+    idx = routing_of(t, k, e, seed=23)
+    wts = torch.rand(t, k, generator=torch.Generator().manual_seed(24)).to(DEV)
+    table = kp.MoeTable(direct_max_slots=0)   # the sorted path at these few slots, as at prefill sizes
+    path = kp.moe_plan(scheme, t, k, e, table=table, fast_accum=True)
+    assert path.kernel == "sorted" and path.fast_accum
+    y = experts_forward(x, idx, wts, expert_weights(m_fast), expert_gate(m_fast), path)
+    ref = oracle(m, x, idx, wts)
+    assert torch.isfinite(y).all() and nu.rel_diff(y.cpu().float(), ref.float()) < 1e-3
+    slow = experts_forward(x, idx, wts, expert_weights(m), expert_gate(m), dataclasses.replace(path, fast_accum=False))
+    assert nu.rel_diff(slow.cpu().float(), ref.float()) < 1e-4

@@ -181,7 +181,9 @@ class Fp8Config:
         (Hopper's fast accumulation, torch._scaled_mm's use_fast_accum; torchao's default) instead of
         promoting every K-block's product to float32: faster, fewer accurate bits. Only GPU backends
         with FP8 tensor cores have it (others refuse); `block` refuses it (see FAST_ACCUM_BLOCK).
-        Routed experts (Fp8Experts) do not use it.
+        Routed experts (Fp8Experts) use it in the triton backend's grouped GEMMs of the sorted path (calls
+        of more than 512 routed slots: prefill); the direct kernels of fewer slots, which read the weights at
+        memory speed, keep promoting.
     weight_numerics: "spec" (SPEC §4: float32 scales and division), or "llm-compressor" /
         "llm-compressor-triton": the FP8 bytes and scales llm-compressor's data-free FP8_DYNAMIC (channel)
         and FP8_BLOCK (block) write (fp8now.kernels.llmc; scales kept in the weight's dtype, which

@@ -235,7 +235,8 @@ class MoePath:
     the two grouped GEMMs on `block_m x block_n` tiles (K in 128-steps), the gate and the combine; or
     "direct" (align "none"): two launches that find each expert's slots in the ids, quantize inside
     the GEMMs, gate in the w13 epilogue and combine after the w2 GEMM. One config for every T if
-    `invariant`."""
+    `invariant`. `fast_accum` (sorted path, per-token scales: `Fp8Config(fast_accum=True)`): the grouped GEMMs
+    keep all of K in the tensor cores' accumulator instead of promoting every 128-deep block to float32."""
 
     scheme: Scheme
     act: str
@@ -246,23 +247,28 @@ class MoePath:
     invariant: bool = False
     align: str = "torch"
     kernel: str = "sorted"
+    fast_accum: bool = False
 
     @property
     def name(self) -> str:
         """E.g. "triton-token + triton-moe (align=triton, BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)",
         "fused-token + triton-moe-direct (BLOCK_M=16, ...)"."""
         notes = f"BLOCK_M={self.block_m}, BLOCK_N={self.block_n}, num_warps={self.num_warps}, " \
-                f"num_stages={self.num_stages}" + ", batch-invariant" * self.invariant
+                f"num_stages={self.num_stages}" + ", batch-invariant" * self.invariant \
+            + ", fast-accum" * self.fast_accum
         if self.kernel == "direct":
             return f"fused-{self.act} + triton-moe-direct ({notes})"
         return f"triton-{self.act} + triton-moe (align={self.align}, {notes})"
 
 
 def moe_plan(scheme: Scheme, tokens: int, top_k: int, experts: int, device_class: str = "cuda-fp8",
-             batch_invariant: bool = False, table: MoeTable | None = None, compiling: bool = False) -> MoePath:
+             batch_invariant: bool = False, table: MoeTable | None = None, compiling: bool = False,
+             fast_accum: bool = False) -> MoePath:
     """The grouped-GEMM path of one experts call on `tokens` tokens routed to `top_k` of `experts`.
     `compiling` (torch.compile tracing the call): the sorted path only (Inductor 2.11's functionalization of
-    Triton launches, decompose_triton_kernel_wrapper_functional, fails on the direct kernels: AssertionError)."""
+    Triton launches, decompose_triton_kernel_wrapper_functional, fails on the direct kernels: AssertionError).
+    `fast_accum`: the sorted path's grouped GEMMs accumulate fast (per-token scales only; the direct kernels of
+    few tokens, reading weights at memory speed, keep promoting)."""
     scheme = Scheme.parse(scheme)
     table = table or MOE_TABLES.get(device_class, MoeTable())
     act = "group" if scheme is Scheme.BLOCK else "token"
@@ -274,7 +280,7 @@ def moe_plan(scheme: Scheme, tokens: int, top_k: int, experts: int, device_class
     bound, *config = next(r for r in table.rows if r[0] is None or per_expert <= r[0])
     if slots <= table.direct_max_slots and not compiling:
         return MoePath(scheme, act, *config, align="none", kernel="direct")
-    return MoePath(scheme, act, *config, align=align)
+    return MoePath(scheme, act, *config, align=align, fast_accum=fast_accum and act == "token")
 
 
 def plan(backend: str, scheme: Scheme, act: str, m: int, n: int, k: int, device_class: str,

@@ -78,7 +78,8 @@ def _moe_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, slots_ptr, bloc
                      stride_am, stride_asm, stride_ask, stride_we, stride_wn, stride_wk,
                      stride_wse, stride_wsn, stride_wsk, stride_be, stride_ym,
                      GROUP_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     FAST_ACCUM: tl.constexpr = False):
     """Program (M-block, N-tile): rows gathered through the sorted slots, one expert's weight."""
     e = tl.load(block_expert_ptr + tl.program_id(0))
     if e >= 0:
@@ -103,6 +104,8 @@ def _moe_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, slots_ptr, bloc
                 sa = tl.load(as_ptr + row * stride_asm + (k0 // 128) * stride_ask)
                 sb = tl.load(ws_ptrs + (k0 // 128) * stride_wsk)
                 acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+            elif FAST_ACCUM:   # Fp8Config(fast_accum=True): all of K in the MMA's own accumulator
+                acc = tl.dot(a, b, acc)
             else:
                 acc += tl.dot(a, b) * tl.cast(one, tl.float32)
             a_ptrs += BLOCK_K
@@ -143,7 +146,7 @@ def moe_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.T
         a_q.stride(0), a_s.stride(0), a_s.stride(1) if group else 0, w.stride(0), w.stride(1), w.stride(2),
         *ws_strides, bias.stride(0) if bias is not None else 0, y.stride(0),
         GROUP_SCALES=group, HAS_BIAS=bias is not None,
-        BLOCK_M=path.block_m, BLOCK_N=path.block_n, BLOCK_K=SCALE_BLOCK,
+        BLOCK_M=path.block_m, BLOCK_N=path.block_n, BLOCK_K=SCALE_BLOCK, FAST_ACCUM=path.fast_accum and not group,
         num_warps=path.num_warps, num_stages=path.num_stages)
     return y
 

@@ -68,6 +68,7 @@ class Fp8Experts(nn.Module):
         self.name = name
         self.split = split   # this rank's part of a tensor-parallel layer (tp_moe): moe_backends.SPLIT_BACKENDS
         self.forced_backend, self.batch_invariant = config.backend, config.batch_invariant
+        self.fast_accum = config.fast_accum   # the triton backend's sorted-path grouped GEMMs (MoePath.fast_accum)
         self.weight_numerics, self.scale_dtype = config.weight_numerics, torch.float32
         self.graphs = DecodeGraphs() if config.decode_graphs else None   # triton: small-T calls replayed
         self.hf_layout = None   # set by hf_moe: how transformers stores these experts (for reload_weights)

@@ -65,5 +65,5 @@ def expert_plan_names(experts: nn.Module) -> dict[str, str]:
     if experts.backend != "triton":
         return {}
     dclass = device_class(experts.w13.device)
-    return {str(s): moe_plan(experts.scheme, s, 1, experts.num_experts, dclass, experts.batch_invariant).name
-            for s in PLAN_SLOTS}
+    return {str(s): moe_plan(experts.scheme, s, 1, experts.num_experts, dclass, experts.batch_invariant,
+                             fast_accum=experts.fast_accum).name for s in PLAN_SLOTS}

@@ -43,7 +43,7 @@ def expert_gate(experts: nn.Module) -> Gate:
 def path_of(experts: nn.Module, tokens: int, top_k: int, device: torch.device) -> MoePath:
     """The plan of one call on `tokens` tokens routed to `top_k` experts each."""
     return moe_plan(experts.scheme, tokens, top_k, experts.num_experts, device_class(device),
-                    experts.batch_invariant, compiling=torch.compiler.is_compiling())
+                    experts.batch_invariant, compiling=torch.compiler.is_compiling(), fast_accum=experts.fast_accum)
 
 
 def triton_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None,
