@@ -5,6 +5,8 @@ replaying its per-layer decode graphs, FP8 inputs included), replayed from one C
 step, and compiled with torch.compile; the compiled step does not break its graph where the unfused
 one does not."""
 
+import gc
+
 import pytest
 import torch
 
@@ -87,3 +89,18 @@ def test_stacked_gemvs_give_the_same_decode_steps(folder, scheme, mode):
         if stacked and mode == "eager":
             assert model.model.layers[0].mlp.gate_proj.stack.graphs.entries   # captured at the second sighting
     assert all(torch.equal(a, b) and torch.isfinite(a).all() for a, b in zip(*outs))
+
+
+def test_moving_a_stacked_model_off_the_gpu_frees_its_buffers(folder):
+    """`model.to("cpu")` moves the stacked linears one by one; their stacks dissolve (`Stack.dissolve`), so no
+    stacked buffer keeps GPU memory, and the moved model runs on the CPU backend."""
+    gc.collect()
+    start = torch.cuda.memory_allocated()
+    model = load(folder, "channel")
+    assert model.model.layers[0].self_attn.q_proj.stack is not None
+    held = torch.cuda.memory_allocated() - start
+    model.to("cpu")
+    gc.collect()
+    assert all(m.stack is None and m.backend == "cpu" for m in model.modules() if isinstance(m, Fp8Linear))
+    left = torch.cuda.memory_allocated() - start
+    assert held > 0 and left < held / 10, (left, held)

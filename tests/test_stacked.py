@@ -187,3 +187,21 @@ def test_export_of_a_stacked_model_writes_each_tensor_on_its_own(folders, tmp_pa
     key = next(k for k in tensors if k.endswith("self_attn.k_proj.weight"))
     assert torch.equal(tensors[key].view(torch.uint8), attn.k_proj.weight.view(torch.uint8))
     assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+
+
+
+def test_a_dissolved_stack_lets_go_and_its_layers_run_alone(folders, monkeypatch):
+    """`Stack.dissolve` (what moving a member to another device calls, tests/test_gpu_producers.py): the members
+    forget the stack, the stack its buffers, and the one-token logits stay the same with one launch per layer."""
+    model = load(folders["llama"])
+    use(model, stacked_gemv=True)
+    attn = model.model.layers[0].self_attn
+    before = one_token(model, seed=6)
+    stack = attn.q_proj.stack
+    stack.dissolve()
+    assert attn.q_proj.stack is attn.k_proj.stack is attn.v_proj.stack is None
+    assert stack.weight is None and stack.scale is None and stack.kept == {}
+    assert "stacked" not in repr(attn.q_proj)
+    seen = launches(monkeypatch)
+    assert torch.equal(one_token(model, seed=6), before)
+    assert attn.k_proj.out_features in seen and attn.v_proj.out_features in seen

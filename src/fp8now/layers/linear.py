@@ -254,8 +254,11 @@ class Fp8Linear(nn.Module):
         """`.to(dtype)` / `.half()` must not touch the FP8 weight or its float32 scale: move them only."""
         before = self.weight.device
         out = super()._apply(keep_fp8_on_apply(fn, (self.weight, self.weight_scale)), recurse)
-        if self._impl is not None and self.weight.device != before:
-            self.pick_backend()
+        if self.weight.device != before:
+            if self.stack is not None:   # the members move one by one: the stack's buffers stay behind, unused
+                self.stack.dissolve()
+            if self._impl is not None:
+                self.pick_backend()
         return out
 
     def extra_repr(self) -> str:

@@ -17,7 +17,8 @@ Bytes: the stacked launch runs the GEMV config each member runs alone (stacked o
 outputs are bit-identical to the members' own launches (tests/test_stacked.py).
 
 Storage: built at load (`producers.install`), once per group; a reload writes the slices in place (the
-`Fp8Linear.load_` contract: same tensors, same data_ptr), so the stack and captured graphs stay valid.
+`Fp8Linear.load_` contract: same tensors, same data_ptr), so the stack and captured graphs stay valid. A member
+moved to another device (`model.to(...)`) dissolves the stack (`dissolve`): nothing keeps the old buffers alive.
 """
 
 from __future__ import annotations
@@ -96,22 +97,21 @@ class Stack:
             if self.bias is not None:
                 m.bias = nn.Parameter(self.bias[a:b], requires_grad=False)
             m.stack = self
+        self.addresses = [self._addresses_of(m) for m in members]   # where each member's slices live
         graphed = all(m._graphs is not None for m in members)
         self.graph_rows = decode_graphs.max_rows(start, members[0].in_features) if graphed else 0
         self.graphs = decode_graphs.DecodeGraphs() if self.graph_rows else None
         self.key: torch.Tensor | None = None              # the FP8 input the kept outputs were made of
         self.kept: dict[int, torch.Tensor] = {}           # id(member) -> its output, until it takes it
 
+    @staticmethod
+    def _addresses_of(m: Fp8Linear) -> tuple[int, int, int]:
+        return m.weight.data_ptr(), m.weight_scale.data_ptr(), 0 if m.bias is None else m.bias.data_ptr()
+
     def intact(self) -> bool:
-        """Is every member's weight, scale and bias still its slice of the stack (same storage, same place)?"""
-        n = self.weight.shape[0]
-        for m, (a, b) in zip(self.members, self.rows):
-            sa = a * self.scale.shape[0] // n
-            if (m.weight.data_ptr() != self.weight[a].data_ptr()
-                    or m.weight_scale.data_ptr() != self.scale[sa].data_ptr()
-                    or (self.bias is not None and m.bias.data_ptr() != self.bias[a].data_ptr())):
-                return False
-        return True
+        """Is every member's weight, scale and bias still its slice of the stack (same storage, same place)?
+        (Their addresses as the stack made them: a `.to()` or a re-bound parameter moves one.)"""
+        return all(self._addresses_of(m) == where for m, where in zip(self.members, self.addresses))
 
     def output(self, layer: Fp8Linear, x_q: torch.Tensor, x_s: torch.Tensor, out_dtype: torch.dtype
                ) -> torch.Tensor | None:
@@ -141,6 +141,13 @@ class Stack:
         self.kept = {id(m): y[:, a:b] for m, (a, b) in zip(self.members, self.rows) if m is not layer}
         a, b = self.rows[self.members.index(layer)]
         return y[:, a:b]
+
+    def dissolve(self) -> None:
+        """Let go of the stacked buffers (a member moved to another device): the members run alone from now on."""
+        for m in self.members:
+            m.stack = None
+        self.weight = self.scale = self.bias = self.graphs = None
+        self.key, self.kept = None, {}
 
     def clear(self, *_) -> None:
         """Drop the kept outputs (the module reading the norm returned)."""
