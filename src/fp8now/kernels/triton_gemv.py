@@ -180,6 +180,11 @@ def _gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm,
         _store_row(acc3, 3, M, s3, *out, ACT_GROUP, HAS_BIAS)
 
 
+def gemv_config(rows: int, w_kind: str, n: int) -> dict:
+    """The launch config GEMV_CONFIGS gives `rows` activation rows (1, 2 or 4) of a `w_kind` weight with N = n."""
+    return tj.pick(GEMV_CONFIGS[rows, "group" if w_kind == "block" else "token"], n)
+
+
 def gemv(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind: str,
          bias: torch.Tensor | None = None, *, x_scale: torch.Tensor | None, out_dtype: torch.dtype | None = None,
          config: dict | None = None, pdl: bool = False) -> torch.Tensor:
@@ -216,7 +221,7 @@ def gemv(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind: str,
         raise ValueError(f"x on {x2.device} but w_q on {w_q.device}")
     x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
     rows = rows_bucket(M)
-    cfg = dict(tj.pick(GEMV_CONFIGS[rows, "group" if w_kind == "block" else "token"], N), **(config or {}))
+    cfg = dict(gemv_config(rows, w_kind, N), **(config or {}))
     if cfg["BLOCK_K"] & (cfg["BLOCK_K"] - 1) or cfg["BLOCK_N"] & (cfg["BLOCK_N"] - 1) or cfg["BLOCK_N"] > 128:
         raise ValueError(f"BLOCK_N (<= 128) and BLOCK_K must be powers of two, got {cfg}")
     sxm = sxk = 0

@@ -67,7 +67,8 @@ def _runs(producer: str, consumer: Fp8Linear, x: torch.Tensor) -> bool:
     """Does `producer` run as its kernel in front of `consumer` on input x: its table says so, it is on the
     triton backend on x's device (where the Triton kernels run: the backend checked it), and no torch.compile
     traces it (there inductor fuses the per-token quantizer into transformers' own ops, `Table.compiled_quant`;
-    a compile of the producers' kernels failed in Inductor 2.11 on the H100, BENCHMARKS.md "Decode fusions")?"""
+    a compile of the producers' kernels failed in Inductor 2.11 on the H100, where the benchmark's step ran under
+    inference mode, itself a cause of that failure: pytorch/pytorch#180823; BENCHMARKS.md "Decode fusions")?"""
     return (producer in consumer.table.producer_kernels and consumer.backend == FEEDABLE_BACKEND
             and consumer.weight.device == x.device and not torch.compiler.is_compiling())
 

@@ -28,7 +28,6 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ..kernels import triton_jit
 from ..kernels.plan import Weights
 from . import decode_graphs
 from .linear import Fp8Linear
@@ -38,9 +37,8 @@ STACKED_SCHEMES = ("channel", "block")   # one scale per row or per 128-row tile
 
 def gemv_config(layer: Fp8Linear) -> dict:
     """The GEMV config `kernels.triton_gemv` picks for one row of this layer."""
-    from ..kernels.triton_gemv import GEMV_CONFIGS
-    kind = "group" if layer.scheme.value == "block" else "token"
-    return triton_jit.pick(GEMV_CONFIGS[1, kind], layer.out_features)
+    from ..kernels.triton_gemv import gemv_config as config_of   # Triton is imported for the triton backend only
+    return config_of(1, layer.scheme.value, layer.out_features)
 
 
 def unstackable(layers: list[Fp8Linear]) -> str | None:
