@@ -156,7 +156,7 @@ def producers():
         compile_one(f"silu_mul_token single={single}", tsm._silu_mul_token_kernel,
                     dict(g_ptr=BF16, u_ptr=BF16, q_ptr=FP8, s_ptr=F32),
                     dict(FMAX=E4M3FN.fmax, FLOOR=E4M3FN.min_scale, BLOCK=block, SINGLE=single),
-                    dict(num_warps=16 if single else 4))
+                    dict(num_warps=16 if single else 8))
 
 
 def moe():

@@ -197,15 +197,16 @@ def test_rms_norm_kernel_is_the_llama_norm_and_writes_its_fp8_input(act, k, dtyp
         assert_bytes_of_the_quantizer(y, q, s, act)
 
 
-@pytest.mark.parametrize("act,i", [(None, 200), (None, 20000), ("token", 200), ("token", 20000), ("group", 384),
-                                   ("group", 2560)])
-def test_silu_mul_kernel_is_act_fn_gate_times_up_and_writes_its_fp8_input(act, i):
+@pytest.mark.parametrize("act,i,m", [(None, 200, 3), (None, 20000, 3), ("token", 200, 3), ("token", 20000, 3),
+                                     ("token", 2600, 130), ("group", 384, 3), ("group", 2560, 3)])
+def test_silu_mul_kernel_is_act_fn_gate_times_up_and_writes_its_fp8_input(act, i, m):
     """Against transformers' SiLU activation times up on bf16 tensors: at most one bf16 step apart in at
     most 1% of the elements (the kernel's exp); the FP8 bytes and scales are the quantizer's of the
-    kernel's own product (I = 20000: per token the two-pass rows; 2560: two programs of 1x128 groups)."""
+    kernel's own product (per token: whole rows at 3 rows of 200, two passes over 2048-column steps for rows of
+    20000 or for more than 128 rows; 2560: two programs of 1x128 groups)."""
     from transformers.activations import ACT2FN
-    g = varied((3, i), torch.float32, seed=i, spread=2).to(BF16).to(DEV)
-    u = varied((3, i), torch.float32, seed=i + 1, spread=2).to(BF16).to(DEV)
+    g = varied((m, i), torch.float32, seed=i, spread=2).to(BF16).to(DEV)
+    u = varied((m, i), torch.float32, seed=i + 1, spread=2).to(BF16).to(DEV)
     h = silu_mul(g, u)
     want = ACT2FN["silu"](g) * u
     apart = ulps_apart(h.cpu(), want.cpu())

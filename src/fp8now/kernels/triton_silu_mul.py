@@ -6,8 +6,11 @@ The product has transformers' rounding points (`act_fn(gate) * up` on bf16/fp16 
 float32 rounded to the dtype, the product rounded again), and q, s are exactly what `triton_quant`
 makes of that h (SPEC §4), so down_proj reads the bytes it would have quantized itself. SiLU's exp is
 Triton's, so h can differ from torch's SiLU by one rounding step in rare elements. Per token the row
-amax comes first: a row of up to _SINGLE_MAX elements is held whole, a longer one is computed twice
-(amax pass, then quantize pass; its inputs are read again from L2).
+amax comes first: at decode sizes (up to _SINGLE_ROWS rows) a row of up to _SINGLE_MAX elements is held whole;
+otherwise a row is computed twice in _CHUNK-column steps (amax pass, then quantize pass; its inputs are read
+again from L2), which on an H100 ran 1.4-1.5x faster than whole rows at 2048 and 16384 rows of Llama's and
+Qwen3's widths (eight warps at low register counts keep several rows in flight per SM, where a whole 14336-wide
+row held one 16-warp program per SM; `git show b6768f4:benchmarks/probe_silu.py`, BENCHMARKS.md "Known limits").
 Wrapper: check -> allocate -> launch; no host sync.
 """
 
@@ -21,6 +24,7 @@ from .triton_quant import GROUP, pow2, warps_for
 from .triton_support import require_triton, tl, triton
 
 _SINGLE_MAX = 16384     # per token: whole rows up to this many elements, else two passes in chunks
+_SINGLE_ROWS = 128      # per token: whole rows only up to this many rows (decode); more rows take the two passes
 _CHUNK = 2048           # columns per step of the two-pass rows, and per program of the bf16 / group kernel
 
 
@@ -101,9 +105,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, act: str | None = None
                                               s.stride(0), QUANT=2, FMAX=E4M3FN.fmax, GROUP_FLOOR=GROUP_AMAX_FLOOR,
                                               BLOCK=block, num_warps=warps_for(block))
     else:
-        single = i <= _SINGLE_MAX
-        block = pow2(i) if single else _CHUNK
+        single = i <= _SINGLE_MAX and m <= _SINGLE_ROWS
+        block = pow2(i) if single else min(pow2(i), _CHUNK)
         _silu_mul_token_kernel[(m,)](gate, up, q, s, i, gate.stride(0), up.stride(0), q.stride(0),
                                      FMAX=E4M3FN.fmax, FLOOR=E4M3FN.min_scale, BLOCK=block, SINGLE=single,
-                                     num_warps=min(warps_for(block), 16 if single else 8))
+                                     num_warps=min(warps_for(block), 16) if single else max(1, min(8, block // 256)))
     return q, s
