@@ -10,7 +10,7 @@ amax comes first: at decode sizes (up to _SINGLE_ROWS rows) a row of up to _SING
 otherwise a row is computed twice in _CHUNK-column steps (amax pass, then quantize pass; its inputs are read
 again from L2), which on an H100 ran 1.4-1.5x faster than whole rows at 2048 and 16384 rows of Llama's and
 Qwen3's widths (eight warps at low register counts keep several rows in flight per SM, where a whole 14336-wide
-row held one 16-warp program per SM; `git show b6768f4:benchmarks/probe_silu.py`, BENCHMARKS.md "Known limits").
+row held one 16-warp program per SM; `git show b6768f4:benchmarks/probe_silu.py`, BENCHMARKS.md "Whole model").
 Wrapper: check -> allocate -> launch; no host sync.
 """
 
@@ -109,5 +109,5 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, act: str | None = None
         block = pow2(i) if single else min(pow2(i), _CHUNK)
         _silu_mul_token_kernel[(m,)](gate, up, q, s, i, gate.stride(0), up.stride(0), q.stride(0),
                                      FMAX=E4M3FN.fmax, FLOOR=E4M3FN.min_scale, BLOCK=block, SINGLE=single,
-                                     num_warps=min(warps_for(block), 16) if single else max(1, min(8, block // 256)))
+                                     num_warps=warps_for(block) if single else max(1, min(8, block // 256)))
     return q, s
