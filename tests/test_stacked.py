@@ -189,7 +189,6 @@ def test_export_of_a_stacked_model_writes_each_tensor_on_its_own(folders, tmp_pa
     assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
 
 
-
 def test_a_dissolved_stack_lets_go_and_its_layers_run_alone(folders, monkeypatch):
     """`Stack.dissolve` (what moving a member to another device calls, tests/test_gpu_producers.py): the members
     forget the stack, the stack its buffers, and the one-token logits stay the same with one launch per layer."""

@@ -65,6 +65,11 @@ def unstackable(layers: list[Fp8Linear]) -> str | None:
     return None
 
 
+def _addresses(weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:
+    """Where a weight, its scale and its bias (0: none) live: a member's slices, or the stack's buffers."""
+    return weight.data_ptr(), scale.data_ptr(), 0 if bias is None else bias.data_ptr()
+
+
 def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(t.shape[0], -1) for t in tensors]).reshape(
         sum(t.shape[0] for t in tensors), *tensors[0].shape[1:])
@@ -104,7 +109,7 @@ class Stack:
 
     @staticmethod
     def _addresses_of(m: Fp8Linear) -> tuple[int, int, int]:
-        return m.weight.data_ptr(), m.weight_scale.data_ptr(), 0 if m.bias is None else m.bias.data_ptr()
+        return _addresses(m.weight, m.weight_scale, m.bias)
 
     def intact(self) -> bool:
         """Is every member's weight, scale and bias still its slice of the stack (same storage, same place)?
@@ -131,8 +136,8 @@ class Stack:
         def call(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
             return layer._impl.linear_fp8(q, s, out_dtype, weights, path)
         if self.graph_rows and decode_graphs.usable(x_q):
-            ptrs = (self.weight.data_ptr(), self.scale.data_ptr(), 0 if self.bias is None else self.bias.data_ptr())
-            y = self.graphs.run((x_q, x_s), call, self.weight.shape[0], ptrs, out_dtype)
+            y = self.graphs.run((x_q, x_s), call, self.weight.shape[0], _addresses(self.weight, self.scale, self.bias),
+                                out_dtype)
         else:
             y = call(x_q, x_s)
         self.key = x_q
