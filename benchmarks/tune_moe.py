@@ -46,6 +46,7 @@ def variants(scheme: str, t: int, k: int, e: int, tiles: tuple = ()) -> dict:
     if now.num_warps != 4:
         out["4 warps"] = dataclasses.replace(now, num_warps=4)
     if now.kernel == "sorted":
+        out["no A reuse"] = dataclasses.replace(now, a_reuse_bytes=0)   # M-blocks fastest, as before
         for bm, bn, warps, stages in tiles:
             out[f"tile {bm}x{bn} w{warps} s{stages}"] = dataclasses.replace(now, block_m=bm, block_n=bn,
                                                                            num_warps=warps, num_stages=stages)

@@ -168,11 +168,12 @@ def moe():
     for bm, bn, warps, stages in sorted(configs):
         for group in (False, True):
             compile_one(f"moe_gemm {bm}x{bn} w{warps} s{stages} group={group}", tm._moe_gemm_kernel, ptrs,
-                        dict(GROUP_SCALES=group, HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128),
+                        dict(GROUP_SCALES=group, HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8),
                         dict(num_warps=warps, num_stages=stages), scalars=dict(one="fp32"))
         if (bm, bn, warps, stages) != table.invariant:   # Fp8Config(fast_accum=True): token scales, sorted path
             compile_one(f"moe_gemm {bm}x{bn} w{warps} s{stages} group=False fast_accum", tm._moe_gemm_kernel, ptrs,
-                        dict(GROUP_SCALES=False, HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, FAST_ACCUM=True),
+                        dict(GROUP_SCALES=False, HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8,
+                             FAST_ACCUM=True),
                         dict(num_warps=warps, num_stages=stages), scalars=dict(one="fp32"))
     q = dict(h_ptr=BF16, q_ptr=FP8, s_ptr=F32)
     for gate, fl in [(code, dict(alpha="fp32", limit="fp32")) for code in ta.GATE_CODES.values()] + [

@@ -118,15 +118,23 @@ def test_alignment_matches_a_plain_restatement(impl):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_grouped_gemm_equals_the_exact_product_per_slot(scheme):
     """w13 GEMM: A rows gathered as token = slot // k; each slot's row equals the float64 product (+ bias)
-    of its own expert rounded to bf16; an expert with no tokens is never read."""
+    of its own expert rounded to bf16; an expert with no tokens is never read. The launch order does not
+    change a byte: M-blocks fastest (no A reuse) and groups of 2 and 4 M-blocks walking the N tiles (7 blocks,
+    6 N tiles; the last group short) give the plan's output."""
     e, h, i, t, k = 6, 128, 192, 9, 2
     m = experts(scheme, e, h, i, bias=True, seed=1)
     x = torch.randn(t, m.h_pad, generator=torch.Generator().manual_seed(2)).bfloat16().to(DEV)
     idx = routing_of(t, k, e, seed=3)
     xq, xs = nu.quantize_activation(x.cpu(), m.act_kind)
     path = kp.moe_plan(scheme, t, k, e)
-    y = moe_gemm(xq.to(DEV), xs.to(DEV), m.w13, m.w13_scale, m.w13_bias, align(idx, e, path.block_m), t * k, k,
-                 torch.bfloat16, path)
+    routing = align(idx, e, path.block_m)
+    assert routing.block_expert.numel() == 7 and 2 * i // path.block_n == 6
+
+    def gemm(reuse_blocks):
+        return moe_gemm(xq.to(DEV), xs.to(DEV), m.w13, m.w13_scale, m.w13_bias, routing, t * k, k, torch.bfloat16,
+                        dataclasses.replace(path, a_reuse_bytes=reuse_blocks * path.block_m * m.h_pad))
+    y, *others = [gemm(blocks) for blocks in (1 << 20, 0, 2, 4)]   # alive together: each its own memory
+    assert all(torch.equal(y, other) for other in others)
     for s in range(t * k):
         ex = int(idx.reshape(-1)[s])
         ref = exact_product(xq[s // k:s // k + 1], xs[s // k:s // k + 1], m.w13[ex].cpu(), m.w13_scale[ex].cpu(),

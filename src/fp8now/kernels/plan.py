@@ -205,6 +205,14 @@ PLANNERS: Mapping[str, Callable[..., Path]] = MappingProxyType({
 })
 
 
+# The sorted path's grouped GEMMs launch their programs in groups of M-blocks whose FP8 A rows fill about this
+# many bytes of L2 (50 MB on an H100 / H200), each group walking every N tile before the next starts
+# (`triton_moe.group_m`), so A is read from HBM about once. Launched M-blocks first (every M-block of one N tile,
+# then the next tile), a layer whose A outgrows L2 re-reads all of it for every N tile: Mixtral-8x7B's w13 at
+# 16384 tokens, 134 MB of gathered A rows x 224 N tiles, ~30 GB (BENCHMARKS.md, "MoE experts layer").
+A_REUSE_BYTES = 16 << 20
+
+
 @dataclass(frozen=True)
 class MoeTable:
     """Launch configs of the grouped MoE GEMMs: rows (mean routed rows per expert up to, BLOCK_M,
@@ -223,6 +231,7 @@ class MoeTable:
     invariant: tuple[int, int, int, int] = (64, 64, 4, 4)
     direct_max_slots: int = 512
     triton_align_max_slots: int = 4096
+    a_reuse_bytes: int = A_REUSE_BYTES
 
 
 MOE_TABLES: Mapping[str, MoeTable] = MappingProxyType({"cuda-fp8": MoeTable(), "cpu": MoeTable()})
@@ -236,7 +245,9 @@ class MoePath:
     "direct" (align "none"): two launches that find each expert's slots in the ids, quantize inside
     the GEMMs, gate in the w13 epilogue and combine after the w2 GEMM. One config for every T if
     `invariant`. `fast_accum` (sorted path, per-token scales: `Fp8Config(fast_accum=True)`): the grouped GEMMs
-    keep all of K in the tensor cores' accumulator instead of promoting every 128-deep block to float32."""
+    keep all of K in the tensor cores' accumulator instead of promoting every 128-deep block to float32.
+    `a_reuse_bytes` (sorted path): the FP8 A rows a group of M-blocks holds in L2 while it walks every N tile
+    (A_REUSE_BYTES; 0: M-blocks fastest). The launch order only: the bytes are the same in every order."""
 
     scheme: Scheme
     act: str
@@ -248,6 +259,7 @@ class MoePath:
     align: str = "torch"
     kernel: str = "sorted"
     fast_accum: bool = False
+    a_reuse_bytes: int = A_REUSE_BYTES
 
     @property
     def name(self) -> str:
@@ -255,7 +267,9 @@ class MoePath:
         "fused-token + triton-moe-direct (BLOCK_M=16, ...)"."""
         notes = f"BLOCK_M={self.block_m}, BLOCK_N={self.block_n}, num_warps={self.num_warps}, " \
                 f"num_stages={self.num_stages}" + ", batch-invariant" * self.invariant \
-            + ", fast-accum" * self.fast_accum
+            + ", fast-accum" * self.fast_accum \
+            + (f", A reuse {self.a_reuse_bytes / 2 ** 20:g} MiB" if self.a_reuse_bytes else ", no A reuse") \
+            * (self.kernel == "sorted")
         if self.kernel == "direct":
             return f"fused-{self.act} + triton-moe-direct ({notes})"
         return f"triton-{self.act} + triton-moe (align={self.align}, {notes})"
@@ -275,12 +289,13 @@ def moe_plan(scheme: Scheme, tokens: int, top_k: int, experts: int, device_class
     slots = tokens * top_k
     align = "triton" if slots <= table.triton_align_max_slots else "triton-chunked"
     if batch_invariant:   # the alignment's result does not depend on its implementation
-        return MoePath(scheme, act, *table.invariant, invariant=True, align=align)
+        return MoePath(scheme, act, *table.invariant, invariant=True, align=align, a_reuse_bytes=table.a_reuse_bytes)
     per_expert = slots / max(experts, 1)
     bound, *config = next(r for r in table.rows if r[0] is None or per_expert <= r[0])
     if slots <= table.direct_max_slots and not compiling:
         return MoePath(scheme, act, *config, align="none", kernel="direct")
-    return MoePath(scheme, act, *config, align=align, fast_accum=fast_accum and act == "token")
+    return MoePath(scheme, act, *config, align=align, fast_accum=fast_accum and act == "token",
+                   a_reuse_bytes=table.a_reuse_bytes)
 
 
 def plan(backend: str, scheme: Scheme, act: str, m: int, n: int, k: int, device_class: str,

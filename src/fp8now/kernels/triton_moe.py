@@ -17,7 +17,7 @@ from torch import nn
 from ..config import Scheme
 from .moe_align import Routing, align, align_chunked, align_triton
 from .plan import MoePath
-from .triton_jit import FP8_DTYPE, SCALE_BLOCK, cdiv
+from .triton_jit import FP8_DTYPE, SCALE_BLOCK, cdiv, grouped_pid
 from .triton_jit import available as gemm_available
 from .triton_moe_act import gated_quant, round_as
 from .triton_moe_direct import direct_forward
@@ -74,20 +74,22 @@ def available(device: torch.device, gate: str, act_fn: nn.Module | None, hp: int
 
 @triton.jit
 def _moe_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, slots_ptr, block_expert_ptr, one,
-                     N, K, ROW_DIV,
+                     M, N, K, ROW_DIV,
                      stride_am, stride_asm, stride_ask, stride_we, stride_wn, stride_wk,
                      stride_wse, stride_wsn, stride_wsk, stride_be, stride_ym,
                      GROUP_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     FAST_ACCUM: tl.constexpr = False):
-    """Program (M-block, N-tile): rows gathered through the sorted slots, one expert's weight."""
-    e = tl.load(block_expert_ptr + tl.program_id(0))
+                     GROUP_M: tl.constexpr, FAST_ACCUM: tl.constexpr = False):
+    """Program (M-block, N-tile): rows gathered through the sorted slots, one expert's weight. M: the
+    M-blocks' rows (blocks x BLOCK_M); GROUP_M M-blocks walk every N tile before the next GROUP_M start."""
+    pid_m, pid_n = grouped_pid(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m)
     if e >= 0:
         e64 = e.to(tl.int64)
-        slot = tl.load(slots_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+        slot = tl.load(slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         valid = slot >= 0
         row = tl.where(valid, slot // ROW_DIV, 0).to(tl.int64)          # A row: token (w13) or slot (w2)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rn = (offs_n % N).to(tl.int64)                                   # wraps onto valid columns
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]                          # [BM, BK]
@@ -118,6 +120,15 @@ def _moe_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, slots_ptr, bloc
         tl.store(y_ptrs, round_as(acc, y_ptr).to(y_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n < N)[None, :])
 
 
+def group_m(path: MoePath, k: int) -> int:
+    """M-blocks per group of the grouped GEMM's launch order: as many as keep `path.a_reuse_bytes` of FP8
+    A rows (BLOCK_M x K bytes each; a power of two, >= 1); 0 bytes: every M-block (one N tile after another)."""
+    if not path.a_reuse_bytes:
+        return 1 << 20                    # more M-blocks than a launch has: M-blocks fastest, N tiles slowest
+    fit = max(1, path.a_reuse_bytes // (path.block_m * k))
+    return 1 << (fit.bit_length() - 1)
+
+
 def moe_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
              bias: torch.Tensor | None, routing: Routing, slots: int, row_div: int, out_dtype: torch.dtype,
              path: MoePath) -> torch.Tensor:
@@ -140,13 +151,14 @@ def moe_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.T
         ws_strides = (w_s.stride(0), 0, 0)
     else:                    # channel: [E, N, 1]
         ws_strides = (w_s.stride(0), w_s.stride(1), 0)
-    _moe_gemm_kernel[(blocks, cdiv(n, path.block_n))](
+    _moe_gemm_kernel[(blocks * cdiv(n, path.block_n),)](
         a_q, a_s, w, w_s, bias if bias is not None else w_s, y, routing.slots, routing.block_expert, 1.0,
-        n, k, row_div,
+        blocks * path.block_m, n, k, row_div,
         a_q.stride(0), a_s.stride(0), a_s.stride(1) if group else 0, w.stride(0), w.stride(1), w.stride(2),
         *ws_strides, bias.stride(0) if bias is not None else 0, y.stride(0),
         GROUP_SCALES=group, HAS_BIAS=bias is not None,
-        BLOCK_M=path.block_m, BLOCK_N=path.block_n, BLOCK_K=SCALE_BLOCK, FAST_ACCUM=path.fast_accum and not group,
+        BLOCK_M=path.block_m, BLOCK_N=path.block_n, BLOCK_K=SCALE_BLOCK, GROUP_M=group_m(path, k),
+        FAST_ACCUM=path.fast_accum and not group,
         num_warps=path.num_warps, num_stages=path.num_stages)
     return y
 
