@@ -3,10 +3,12 @@ left a device-side assert in their process: the next model's `index_copy_` (the 
 lookup found an index out of range, so a small index tensor had been overwritten. This runs the tests' eager
 one-token steps (tiny Llama, channel then block, unstacked then stacked), and after every module's forward
 synchronizes and compares the step's index tensors (input ids, cache position, mask) with their first values: it
-names the first module after which they changed. Run it with CUDA_LAUNCH_BLOCKING=1 (a faulting launch then raises
+names the first module after which they changed; then, as the tests did next, loads a fresh model and captures
+its step in one CUDA graph (where the tests' fault showed). Run it with CUDA_LAUNCH_BLOCKING=1 (a faulting launch then raises
 at its own call). Usage: PYTHONPATH=src:tests python benchmarks/probe_stacked.py (DEV=cpu: a smoke run)."""
 import gc
 import os
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import torch
 
 import fp8now
 from fp8now import Fp8Config, Fp8Linear
-from fp8now.cli.bench_decode import decode_step
+from fp8now.cli.bench_decode import captured, decode_step
 from fp8now.kernels.plan import WIDE, Table
 from tiny import write_tiny_checkpoint
 
@@ -57,13 +59,25 @@ def run(folder, scheme, stacked):
     return outs
 
 
+def after(folder):
+    """What the tests ran next, where their fault showed: a fresh model, its step captured in one CUDA graph."""
+    model, _ = fp8now.load(folder, Fp8Config(scheme="channel"), device=DEV)
+    print("  next model loaded", flush=True)
+    step = decode_step(model, 1, 16, 512, seed=7, device=torch.device(DEV))
+    print("  next model's prefill done", flush=True)
+    if DEV == "cuda":
+        step = captured(step, "graph", torch.device(DEV))
+    print(f"  next model's steps: logits sum {sum(step().float().sum().item() for _ in range(2)):.4f}", flush=True)
+
+
 def main():
-    folder = write_tiny_checkpoint(Path("/tmp/probe_stacked") / "llama", "llama", seed=5, **SIZES)
+    folder = write_tiny_checkpoint(Path(tempfile.mkdtemp()) / "llama", "llama", seed=5, **SIZES)
     try:
         for scheme in ("channel", "block"):
             a, b = run(folder, scheme, False), run(folder, scheme, True)
             print(scheme, "stacked steps equal the unstacked ones:", all(torch.equal(x, y) for x, y in zip(a, b)),
                   flush=True)
+        after(folder)
     except Exception:
         traceback.print_exc()
 
