@@ -4,8 +4,8 @@ lookup found an index out of range, so a small index tensor had been overwritten
 one-token steps (tiny Llama, channel then block, unstacked then stacked), and after every module's forward
 synchronizes and compares the step's index tensors (input ids, cache position, mask) with their first values: it
 names the first module after which they changed; then, as the tests did next, loads a fresh model and captures
-its step in one CUDA graph (where the tests' fault showed). Run it with CUDA_LAUNCH_BLOCKING=1 (a faulting launch then raises
-at its own call). Usage: PYTHONPATH=src:tests python benchmarks/probe_stacked.py (DEV=cpu: a smoke run)."""
+its step in one CUDA graph (where the tests' fault showed). Run it with CUDA_LAUNCH_BLOCKING=1 (a faulting
+launch then raises at its own call). Usage: PYTHONPATH=src:tests python benchmarks/probe_stacked.py (DEV=cpu: a smoke run)."""
 import gc
 import os
 import tempfile

@@ -124,7 +124,7 @@ def group_m(path: MoePath, k: int) -> int:
     """M-blocks per group of the grouped GEMM's launch order: as many as keep `path.a_reuse_bytes` of FP8
     A rows (BLOCK_M x K bytes each; a power of two, >= 1); 0 bytes: every M-block (one N tile after another)."""
     if not path.a_reuse_bytes:
-        return 1 << 20                    # more M-blocks than a launch has: M-blocks fastest, N tiles slowest
+        return 1 << 16    # more M-blocks than a launch has (and GROUP_M x N tiles stays an int32): M-blocks fastest
     fit = max(1, path.a_reuse_bytes // (path.block_m * k))
     return 1 << (fit.bit_length() - 1)
 
