@@ -2,10 +2,11 @@
 left a device-side assert in their process: the next model's `index_copy_` (the StaticCache write) or embedding
 lookup found an index out of range, so a small index tensor had been overwritten. This runs the tests' eager
 one-token steps (tiny Llama, channel then block, unstacked then stacked), and after every module's forward
-synchronizes and compares the step's index tensors (input ids, cache position, mask) with their first values: it
-names the first module after which they changed; then, as the tests did next, loads a fresh model and captures
-its step in one CUDA graph (where the tests' fault showed). Run it with CUDA_LAUNCH_BLOCKING=1 (a faulting
-launch then raises at its own call). Usage: PYTHONPATH=src:tests python benchmarks/probe_stacked.py (DEV=cpu: a smoke run)."""
+synchronizes and compares the step's index tensors (input ids, position, mask, the values the step resets the
+cache positions to) with their first values and checks the cache positions themselves: it names the first module
+after which one changed; then, as the tests did next, loads a fresh model and captures its step in one CUDA graph
+(where the tests' fault showed). Run it with CUDA_LAUNCH_BLOCKING=1 (a faulting launch then raises at its own
+call). Usage: PYTHONPATH=src:tests python benchmarks/probe_stacked.py (DEV=cpu: a smoke run)."""
 import gc
 import os
 import tempfile
@@ -35,15 +36,18 @@ def run(folder, scheme, stacked):
     step = decode_step(model, 1, 16, 512, seed=7, device=torch.device(DEV))
     cells = dict(zip(step.__code__.co_freevars, (c.cell_contents for c in step.__closure__)))
     guards = {k: cells[k] for k in ("ids", "step_pos", "mask")}
+    guards.update({f"cache start {i}": t for i, t in enumerate(cells["starts"])})   # the per-step reset's values
     want = {k: v.clone() for k, v in guards.items()}
+    counters = cells["counters"]   # each layer's cache position: 16 after the reset, 17 after its write
     found = []
 
     def check(name):
         SYNC()
         bad = [k for k, v in guards.items() if not torch.equal(v, want[k])]
+        bad += [f"cache position {i}" for i, c in enumerate(counters) if not 16 <= int(c.max()) <= 17]
         if bad and not found:
             found.append(name)
-            print(f"  CHANGED after {name}: {bad} -> {[guards[k].tolist() for k in bad]}", flush=True)
+            print(f"  CHANGED after {name}: {bad} -> {[guards[k].tolist() for k in bad if k in guards]}", flush=True)
     hooks = [m.register_forward_hook(lambda mod, a, o, n=n: check(n)) for n, m in model.named_modules()]
     outs = []
     for i in range(4):
