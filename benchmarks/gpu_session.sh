@@ -21,8 +21,9 @@
 # tune_moe.py (each path change against the one before, $OUT/moe_tune_$GPU.json), then bench_moe.py
 # ($OUT/moe_$GPU.json); $GPU is h100, h200 or gpu, from the device name.
 #   GPU_TESTS      test files for the tests phase (default: tests/, every test marked gpu or triton; the stacked
-#                  GEMVs' tests first, in a process of their own: on the H100 they left a device-side assert behind,
-#                  which fails every later test of the process)
+#                  GEMVs' tests first, in a process of their own: their batch-1 whole-step graph ends in a
+#                  device-side assert on the H100 (benchmarks/probe_graph_b1.py), which fails every later test of the
+#                  process)
 #   GPU_TESTS_TIMEOUT  seconds for the tests phase (default 560)
 #   GPU_TESTS_WORKERS  pytest-xdist workers sharing the GPU (their Triton compiles run in parallel; the whole suite
 #                  fits one call with 6); pytest-xdist and execnet wheels carried in .whl/ where the machine lacks them
@@ -119,10 +120,9 @@ if has recheck; then
   done
 fi
 if has stacked; then   # issue 38's stacked one-token GEMVs (fp8now.layers.stacked, off by default): the probe of the
-  # device-side assert their eager tests left behind (which module's kernels change the step's index tensors), their
-  # GPU tests, then Llama's decode rows with them
-  CUDA_LAUNCH_BLOCKING=1 timeout 120 python3 benchmarks/probe_stacked.py > "$OUT/probe_stacked.log" 2>&1 || rc=1
-  grep -v "IndexKernel.cu\|Indexing.cu" "$OUT/probe_stacked.log" | tail -30
+  # device-side assert of the tests' batch-1 whole-step graph (stacked or not: which change makes it go away), the
+  # stacked GPU tests, then Llama's decode rows with them
+  timeout 200 python3 benchmarks/probe_graph_b1.py --out "$OUT/probe_graph_b1_$GPU.json" 2>&1 | cut -c1-300 | tail -12 || rc=1
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu $STACKED_TESTS 2>&1 | grep -v "IndexKernel.cu\|Indexing.cu" \
     | tail -6 || rc=1
   timeout 240 python3 benchmarks/bench_model.py llama3.1-8b --stacked --impls bf16,fp8now-channel,fp8now-channel-stacked \
@@ -131,7 +131,7 @@ if has stacked; then   # issue 38's stacked one-token GEMVs (fp8now.layers.stack
 fi
 if has tiles; then   # other sorted-path tiles of the MoE GEMMs at prefill sizes (MOE_TILES), against the plan's;
   # then Qwen3's prefill with the experts' fast accumulation
-  (cd benchmarks && timeout 300 python3 tune_moe.py --tokens 4096,16384 --out "$OUT/moe_tiles_$GPU.json" \
+  (cd benchmarks && timeout 300 python3 tune_moe.py --tokens 4096,16384 --out "$OUT/moe_tune_$GPU.json" \
     --tiles ${MOE_TILES:-128x128x4x3,128x128x8x3,128x256x8x3,64x128x4x3,64x256x8x4,128x64x4x4} 2>&1 \
     | grep -v "UserWarning\|warn_once" | tail -40) || rc=1
   # Fp8Config(fast_accum=True) now reaches the experts' grouped GEMMs too: Qwen3's prefill with and without it
