@@ -67,8 +67,8 @@ class Table:
     producer_quant: tuple[str, ...] = PRODUCERS
     # one-token calls of sibling linears fed by one RMSNorm producer (q/k/v; gate/up), whose weights are row
     # slices of one buffer (fp8now.layers.stacked): one GEMV launch for all of them instead of one each (the
-    # same config and bytes). Off: 1.41x -> 1.49x bf16 at Llama-3.1-8B's one-token decode on an H100, but its eager
-    # GPU tests left a device-side assert in their process (BENCHMARKS.md "Whole model"), cause not yet found.
+    # same config and bytes). Off: 1.41x -> 1.49x bf16 at Llama-3.1-8B's one-token decode on an H100, but its GPU
+    # tests' batch-1 whole-step graph fails, with or without it (BENCHMARKS.md "Known limits"): on once they pass.
     stacked_gemv: bool = False
 
 
