@@ -47,6 +47,8 @@ def variants(scheme: str, t: int, k: int, e: int, tiles: tuple = ()) -> dict:
         out["4 warps"] = dataclasses.replace(now, num_warps=4)
     if now.kernel == "sorted":
         out["no A reuse"] = dataclasses.replace(now, a_reuse_bytes=0)   # M-blocks fastest, as before
+        for mib in (4, 64):   # the plan's 16 MiB of A rows per group against a quarter and four times it
+            out[f"A reuse {mib} MiB"] = dataclasses.replace(now, a_reuse_bytes=mib << 20)
         for bm, bn, warps, stages in tiles:
             out[f"tile {bm}x{bn} w{warps} s{stages}"] = dataclasses.replace(now, block_m=bm, block_n=bn,
                                                                            num_warps=warps, num_stages=stages)
