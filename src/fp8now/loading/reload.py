@@ -114,7 +114,7 @@ def _reload(model: nn.Module, named_tensors, g) -> ReloadReport:
     if source.known:   # all-or-nothing: every check before the first write
         routed = route_tensors(plan, source, refuse)
         check = FiniteCheck()   # every tensor's NaN/Inf and magnitude (FP8 weights' too: sinks skip their scales')
-        check.add_many([(t, f"tensor {key!r}", True) for key, t, _ in routed])
+        check.add_many([(t, key, True) for key, t, _ in routed], label="tensor {!r}")
         try:
             plan.experts.check_merges(source.tensors(), WHERE)
             sinks.absurd += check.raise_if_bad()
