@@ -143,6 +143,27 @@ def test_grouped_gemm_equals_the_exact_product_per_slot(scheme):
         assert (y[s].cpu() != ref[0].bfloat16()).float().mean() < 0.02   # float32 sums: rare last-bit ties
 
 
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+def test_every_table_tile_gives_the_same_bytes(scheme):
+    """Each tile of the MoE table (prefill's 128 x 128, 64 x 256, ...) gives the plan's tile's bytes: every output
+    element sums the same 128-deep K blocks in the same order whatever the tile (the GPU's tune_moe checks the
+    same at real shapes)."""
+    e, h, i, t, k = 4, 256, 320, 40, 2
+    m = experts(scheme, e, h, i, seed=4)
+    x = torch.randn(t, m.h_pad, generator=torch.Generator().manual_seed(3)).bfloat16().to(DEV)
+    idx = routing_of(t, k, e, seed=6)
+    xq, xs = (v.to(DEV) for v in nu.quantize_activation(x.cpu(), m.act_kind))
+    plan = kp.moe_plan(scheme, t, k, e)
+    outs = []
+    for tile in sorted({row[1:] for row in kp.MoeTable().rows}):
+        path = dataclasses.replace(plan, block_m=tile[0], block_n=tile[1], num_warps=tile[2], num_stages=tile[3],
+                                   kernel="sorted")
+        outs.append(moe_gemm(xq, xs, m.w13, m.w13_scale, None, align(idx, e, path.block_m), t * k, k,
+                             torch.bfloat16, path))
+    assert len(outs) == 4 and all(torch.equal(outs[0], y) for y in outs[1:])
+    assert outs[0].abs().amax() > 0 and torch.isfinite(outs[0]).all()
+
+
 @pytest.mark.parametrize("act", ["token", "group"])
 @pytest.mark.parametrize("gate", ["silu", "clamped_swiglu"])
 @pytest.mark.parametrize("ip", [128, 384])
