@@ -145,23 +145,30 @@ def test_grouped_gemm_equals_the_exact_product_per_slot(scheme):
 
 @pytest.mark.parametrize("scheme", ["channel", "block"])
 def test_every_table_tile_gives_the_same_bytes(scheme):
-    """Each tile of the MoE table (prefill's 128 x 128, 64 x 256, ...) gives the plan's tile's bytes: every output
-    element sums the same 128-deep K blocks in the same order whatever the tile (the GPU's tune_moe checks the
-    same at real shapes)."""
+    """Each tile of the MoE table (prefill's 128 x 128, 64 x 256, ...) sums the same 128-deep K blocks in the same
+    order: every tile is within float32 rounding of the exact product, and tiles of one MMA instruction give the
+    same bytes. On sm_90 that is two families: BLOCK_M >= 64 runs Hopper's wgmma, whose FP8 sums inside a K block
+    round differently from the narrower tiles' MMA (on the H100 ~5% of these bf16 outputs differ by one bit, rel_diff
+    1.4e-6 for both; the tune_moe run compares the wgmma tiles at real shapes). The interpreter: one family."""
     e, h, i, t, k = 4, 256, 320, 40, 2
     m = experts(scheme, e, h, i, seed=4)
     x = torch.randn(t, m.h_pad, generator=torch.Generator().manual_seed(3)).bfloat16().to(DEV)
     idx = routing_of(t, k, e, seed=6)
     xq, xs = (v.to(DEV) for v in nu.quantize_activation(x.cpu(), m.act_kind))
     plan = kp.moe_plan(scheme, t, k, e)
-    outs = []
-    for tile in sorted({row[1:] for row in kp.MoeTable().rows}):
+    ref = torch.cat([exact_product(xq[s // k:s // k + 1].cpu(), xs[s // k:s // k + 1].cpu(), m.w13[ex].cpu(),
+                                   m.w13_scale[ex].cpu(), ACT_GROUP[m.act_kind], WEIGHT_GROUP[m.scheme]).float()
+                     for s, ex in enumerate(idx.reshape(-1).tolist())])
+    families: dict[bool, list[torch.Tensor]] = {}
+    tiles = sorted({row[1:] for row in kp.MoeTable().rows})
+    for tile in tiles:
         path = dataclasses.replace(plan, block_m=tile[0], block_n=tile[1], num_warps=tile[2], num_stages=tile[3],
                                    kernel="sorted")
-        outs.append(moe_gemm(xq, xs, m.w13, m.w13_scale, None, align(idx, e, path.block_m), t * k, k,
-                             torch.bfloat16, path))
-    assert len(outs) == 4 and all(torch.equal(outs[0], y) for y in outs[1:])
-    assert outs[0].abs().amax() > 0 and torch.isfinite(outs[0]).all()
+        y = moe_gemm(xq, xs, m.w13, m.w13_scale, None, align(idx, e, path.block_m), t * k, k, torch.bfloat16, path)
+        assert torch.isfinite(y).all() and nu.rel_diff(y.cpu().float(), ref) < 1e-5, tile
+        families.setdefault(DEV.type == "cuda" and tile[0] >= 64, []).append(y)
+    assert len(tiles) == 4 and {len(ys) for ys in families.values()} <= {2, 4}
+    assert all(torch.equal(ys[0], y) for ys in families.values() for y in ys[1:])
 
 
 @pytest.mark.parametrize("act", ["token", "group"])
