@@ -1,7 +1,8 @@
 """The triton experts backend's paths against each other, one MoE layer, on the GPU: what the plan runs now,
 what it ran before issue 38 (sorted path at every size, 4-warp 32x128 / 64x128 tiles, the torch alignment
-above 4096 slots), and one change at a time between them (the sorted path on the direct path's tiles; the
-torch alignment; 4 warps), so each change of the plan has its own measured effect.
+above 4096 slots), and one change at a time between them (the sorted path on the direct path's tiles, and up to
+DIRECT_TRIED slots the direct kernels on the sorted path's; the torch alignment; 4 warps), so each change of the
+plan has its own measured effect.
 
 `ms`: GPU time from one CUDA graph over separate weight copies (timing.GraphTimer, as bench_moe.py);
 `host_ms`: host-launched calls with L2 flushed (the eager prefill's case: the torch alignment is ~20
@@ -29,6 +30,7 @@ from timing import GraphTimer, copies_for, host_ms, l2_flushed_ms
 
 # The table before issue 38: no direct kernels, 4 warps on the 32x128 and 64x128 tiles, M-blocks launched first.
 BEFORE_ROWS = ((16, 16, 64, 4, 4), (64, 32, 128, 4, 4), (256, 64, 128, 4, 4), (None, 128, 128, 8, 4))
+DIRECT_TRIED = 512   # routed slots up to which the direct kernels are timed where the plan runs the sorted path
 
 
 def variants(scheme: str, t: int, k: int, e: int, tiles: tuple = ()) -> dict:
@@ -43,6 +45,8 @@ def variants(scheme: str, t: int, k: int, e: int, tiles: tuple = ()) -> dict:
         out["sorted, same tiles"] = dataclasses.replace(now, kernel="sorted", align="triton")
     else:
         out["align=torch"] = dataclasses.replace(now, align="torch")
+        if t * k <= DIRECT_TRIED and not now.invariant:   # where the plan's direct bound sits (plan.MoeTable)
+            out["direct, same tiles"] = dataclasses.replace(now, kernel="direct", align="none")
     if now.num_warps != 4:
         out["4 warps"] = dataclasses.replace(now, num_warps=4)
     if now.kernel == "sorted":
@@ -108,7 +112,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="results file ({meta, rows})")
     ap.add_argument("--shapes", default="", help=f"GPU: {', '.join(SHAPES)}; CPU: {', '.join(CPU_SHAPES)} (default all)")
     ap.add_argument("--schemes", default="channel", help="fp8now schemes (default channel)")
-    ap.add_argument("--tokens", default="1,8,64,2048,4096", help="tokens per call (default 1,8,64,2048,4096)")
+    ap.add_argument("--tokens", default="1,2,4,8,64,2048,4096", help="tokens per call (default 1,2,4,8,64,2048,4096)")
     ap.add_argument("--rep-ms", type=int, default=25)
     ap.add_argument("--tiles", default="", help="more sorted-path tiles to time where the plan sorts, as "
                     "BMxBNxWARPSxSTAGES, comma-separated (e.g. 128x128x4x3,128x256x8x3,64x128x4x4)")

@@ -304,8 +304,11 @@ def test_plan_is_a_pure_table_lookup():
     p1, p2 = kp.moe_plan("block", 1, 8, 128), kp.moe_plan("block", 16384, 8, 128)
     assert (p1.block_m, p2.block_m) == (16, 128) and p1.act == "group"
     assert (p1.kernel, p2.kernel) == ("direct", "sorted") and "triton-moe-direct" in p1.name
-    # the direct kernels up to 512 routed slots (64 tokens of top-8), never in batch-invariant mode
-    assert [kp.moe_plan("channel", t, 8, 128).kernel for t in (64, 65)] == ["direct", "sorted"]
+    # the direct kernels up to 8 routed slots (one token of top-8, four of top-2), never in batch-invariant mode
+    assert [kp.moe_plan("channel", t, 8, 128).kernel for t in (1, 2, 64)] == ["direct", "sorted", "sorted"]
+    assert [kp.moe_plan("channel", t, 2, 8).kernel for t in (4, 5)] == ["direct", "sorted"]
+    wide = kp.MoeTable(direct_max_slots=512)
+    assert [kp.moe_plan("channel", t, 8, 128, table=wide).kernel for t in (64, 65)] == ["direct", "sorted"]
     assert kp.moe_plan("channel", 1, 8, 128, batch_invariant=True).kernel == "sorted"
     assert kp.moe_plan("channel", 1, 8, 128, table=kp.MoeTable(direct_max_slots=0)).kernel == "sorted"
     inv = {dataclasses.replace(kp.moe_plan("channel", t, 2, 8, batch_invariant=True), align="")

@@ -17,7 +17,7 @@ from ..kernels.plan import moe_plan
 EXPERT_BACKENDS = ("auto", "triton", "cpu", "reference")
 EXPERT_TABLE = {"cuda-fp8": ("triton", "reference"), "cuda": ("reference",), "cpu": ("cpu", "reference")}
 SPLIT_BACKENDS = ("cpu", "reference")
-PLAN_SLOTS = (8, 512, 16384)   # routed slots per call the report shows a plan for: decode, the direct bound, prefill
+PLAN_SLOTS = (8, 512, 16384)   # routed slots per call the report shows a plan for: a decode token, a decode batch, prefill
 
 
 def expert_backend_reason(name: str, device: torch.device, experts: nn.Module) -> str | None:
