@@ -13,6 +13,9 @@
 #                  --impls bf16,fp8now-channel"; default: llama3.1-8b, bf16 and the three schemes)
 #   MODEL_ADD=1    start from benchmarks/results/model_$GPU.json (the previous call's file, copied
 #                  there) and add this call's rows to it (bench_model --add: same commit and GPU)
+#   MODEL_FILE     the results file's name before _$GPU.json (default model; e.g. model_torchao: torchao compiled's
+#                  decode rows, one batch size per call, each compile taking minutes)
+#   MODEL_TIMEOUT  seconds for bench_model (default 560; torchao compiled's decode B = 8 compile ran past 500)
 #   MOE_ARGS       bench_moe flags (default "--no-other-impls": both shapes at 1, 8, 64, 4096 and 16384
 #                  tokens, transformers' default experts implementation, bf16 _grouped_mm, fp8now's schemes)
 #   MOE_ADD=1      start from benchmarks/results/moe_$GPU.json and add this call's shapes (--add)
@@ -81,8 +84,9 @@ if has linear; then
     --out "$OUT/linear_$GPU.json" 2>&1 | tail -60 || rc=1
 fi
 if has model; then
-  [ -n "${MODEL_ADD:-}" ] && cp "benchmarks/results/model_$GPU.json" "$OUT/model_$GPU.json"
-  timeout 560 python3 benchmarks/bench_model.py --out "$OUT/model_$GPU.json" ${MODEL_ARGS:-} ${MODEL_ADD:+--add} 2>&1 \
+  mfile="$OUT/${MODEL_FILE:-model}_$GPU.json"
+  [ -n "${MODEL_ADD:-}" ] && cp "benchmarks/results/${MODEL_FILE:-model}_$GPU.json" "$mfile"
+  timeout ${MODEL_TIMEOUT:-560} python3 benchmarks/bench_model.py --out "$mfile" ${MODEL_ARGS:-} ${MODEL_ADD:+--add} 2>&1 \
     | grep -v "UserWarning\|warn_once" | tail -40 || rc=1
 fi
 if has moe; then
