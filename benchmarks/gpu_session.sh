@@ -92,7 +92,7 @@ fi
 if has moe; then
   timeout ${MOE_TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_gpu_moe.py tests/test_moe_direct.py \
     2>&1 | tee "$OUT/pytest_moe.log" | tail -15 || rc=1
-  (cd benchmarks && timeout 120 python3 tune_moe.py --out "$OUT/moe_tune_$GPU.json" ${MOE_TUNE_ARGS:-} 2>&1 \
+  (cd benchmarks && timeout 200 python3 tune_moe.py --out "$OUT/moe_tune_$GPU.json" ${MOE_TUNE_ARGS:-} 2>&1 \
     | grep -v "UserWarning\|warn_once" | tail -40) || rc=1
   [ -n "${MOE_ADD:-}" ] && cp "benchmarks/results/moe_$GPU.json" "$OUT/moe_$GPU.json"
   (cd benchmarks && timeout 300 python3 bench_moe.py --out "$OUT/moe_$GPU.json" ${MOE_ARGS:---no-other-impls} ${MOE_ADD:+--add} \
