@@ -45,7 +45,7 @@ def variants(scheme: str, t: int, k: int, e: int, tiles: tuple = ()) -> dict:
         out["sorted, same tiles"] = dataclasses.replace(now, kernel="sorted", align="triton")
     else:
         out["align=torch"] = dataclasses.replace(now, align="torch")
-        if t * k <= DIRECT_TRIED and not now.invariant:   # where the plan's direct bound sits (plan.MoeTable)
+        if t * k <= DIRECT_TRIED:   # around the plan's direct bound (plan.MoeTable.direct_max_slots)
             out["direct, same tiles"] = dataclasses.replace(now, kernel="direct", align="none")
     if now.num_warps != 4:
         out["4 warps"] = dataclasses.replace(now, num_warps=4)

@@ -17,14 +17,11 @@ pytest.importorskip("triton")
 from fp8now.kernels import plan as kp  # noqa: E402
 from fp8now.kernels.triton_moe import available, experts_forward  # noqa: E402
 from fp8now.layers.moe_triton import expert_gate, expert_weights  # noqa: E402
-from test_triton_moe import DEV, experts, oracle, routing_of  # noqa: E402
+from test_triton_moe import DEV, DIRECT, experts, oracle, routing_of  # noqa: E402
 from fp8now import rel_diff  # noqa: E402
 
 WHY = available(DEV, "glu", torch.nn.SiLU(), 128, 128)
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(WHY is not None, reason=f"Triton MoE: {WHY}")]
-# The plan takes the direct kernels up to 8 routed slots (one decode token; above, the sorted path is faster on
-# the H100); they are correct at any number of slots, and these tests run them at more (table=DIRECT)
-DIRECT = kp.MoeTable(direct_max_slots=512)
 
 
 def inputs(t, k, e, h, seed):

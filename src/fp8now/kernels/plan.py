@@ -220,8 +220,8 @@ class MoeTable:
     batch-invariant mode, the same for every T (BLOCK_M, BLOCK_N, num_warps, num_stages). Up to
     `direct_max_slots` routed slots (T * k) the "direct" kernels take each expert's slots from the ids
     themselves (`triton_moe_direct`: two launches; each program re-reads the ids, so only for few
-    slots; any number of slots gives the sorted path's bytes), except in batch-invariant mode; above, the "sorted" path aligns the routing first: up to
-    `triton_align_max_slots` slots by the one-program Triton counting sort, above by the two-launch
+    slots; any number of slots gives the sorted path's bytes), except in batch-invariant mode; above, the
+    "sorted" path aligns the routing first: up to `triton_align_max_slots` slots by the one-program Triton counting sort, above by the two-launch
     chunked one (same result as the torch ops of `moe_align.align`)."""
 
     # 8 warps from 32 x 128 up: with 4, sm_90's ptxas (Triton 3.6's) spills 9.9 KB (32 x 128) and 2.9 KB

@@ -17,7 +17,8 @@ from ..kernels.plan import moe_plan
 EXPERT_BACKENDS = ("auto", "triton", "cpu", "reference")
 EXPERT_TABLE = {"cuda-fp8": ("triton", "reference"), "cuda": ("reference",), "cpu": ("cpu", "reference")}
 SPLIT_BACKENDS = ("cpu", "reference")
-PLAN_SLOTS = (8, 512, 16384)   # routed slots per call the report shows a plan for: a decode token, a decode batch, prefill
+# routed slots per call the report shows a plan for: a decode token, a decode batch, prefill
+PLAN_SLOTS = (8, 512, 16384)
 
 
 def expert_backend_reason(name: str, device: torch.device, experts: nn.Module) -> str | None:
