@@ -23,10 +23,7 @@
 # moe: the MoE GPU tests (exact oracle, direct kernels = sorted path bytes, graphs, no host sync), then
 # tune_moe.py (each path change against the one before, $OUT/moe_tune_$GPU.json), then bench_moe.py
 # ($OUT/moe_$GPU.json); $GPU is h100, h200 or gpu, from the device name.
-#   GPU_TESTS      test files for the tests phase (default: tests/, every test marked gpu or triton; the stacked
-#                  GEMVs' tests first, in a process of their own: their batch-1 whole-step graph ends in a
-#                  device-side assert on the H100 (benchmarks/probe_graph_b1.py), which fails every later test of the
-#                  process)
+#   GPU_TESTS      test files for the tests phase (default: tests/, every test marked gpu or triton)
 #   GPU_TESTS_TIMEOUT  seconds for the tests phase (default 560)
 #   GPU_TESTS_WORKERS  pytest-xdist workers sharing the GPU (their Triton compiles run in parallel; the whole suite
 #                  fits one call with 6); pytest-xdist and execnet wheels carried in .whl/ where the machine lacks them
@@ -56,15 +53,10 @@ has() { [[ ",$phases," == *",$1,"* ]]; }
 GPU=$(python3 -c "import torch; n = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ''
 print('h200' if 'h200' in n else 'h100' if 'h100' in n else 'gpu')")
 STACKED_TESTS="tests/test_gpu_producers.py::test_stacked_gemvs_give_the_same_decode_steps
+  tests/test_gpu_producers.py::test_a_graph_replay_keeps_the_step_and_its_tensors
   tests/test_gpu_producers.py::test_moving_a_stacked_model_off_the_gpu_frees_its_buffers"
 if has tests; then
-  apart=""
-  if [ -z "${GPU_TESTS:-}" ]; then   # the stacked GEMVs' tests in their own process (see GPU_TESTS above)
-    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu $STACKED_TESTS 2>&1 | tee "$OUT/pytest_gpu_stacked.log" \
-      | grep -v "IndexKernel.cu\|Indexing.cu" | tail -6 || rc=1
-    apart=$(for t in $STACKED_TESTS; do printf -- "--deselect %s " "$t"; done)
-  fi
-  timeout ${GPU_TESTS_TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" $apart \
+  timeout ${GPU_TESTS_TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" \
     ${GPU_TESTS_WORKERS:+-n $GPU_TESTS_WORKERS --dist worksteal} ${GPU_TESTS:-tests} 2>&1 \
     | tee "$OUT/pytest_gpu.log" | tail -30 || rc=1
 fi
@@ -123,17 +115,12 @@ if has recheck; then
       $([ $m = qwen3-30b-a3b ] && echo --add) 2>&1 | grep -v "UserWarning\|warn_once" | tail -12 || rc=1
   done
 fi
-if has stacked; then   # issue 38's stacked one-token GEMVs (fp8now.layers.stacked, off by default): the probe of the
-  # device-side assert of the tests' batch-1 whole-step graph (only the pytest run fails: which condition of it
-  # matters), then the stacked GPU tests; Llama's decode rows with stacking: STACKED_ROWS=1
-  timeout 420 python3 benchmarks/probe_graph_b1.py --out "$OUT/probe_graph_b1_$GPU.json" 2>&1 | cut -c1-600 | tail -12 || rc=1
-  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu $STACKED_TESTS 2>&1 | grep -v "IndexKernel.cu\|Indexing.cu" \
-    | tail -6 || rc=1
-  if [ -n "${STACKED_ROWS:-}" ]; then
-    timeout 240 python3 benchmarks/bench_model.py llama3.1-8b --stacked --impls bf16,fp8now-channel,fp8now-channel-stacked \
-      --phases decode --profile --workdir /tmp/fp8now-bench --out "$OUT/model_stacked_$GPU.json" 2>&1 \
-      | grep -v "UserWarning\|warn_once" | tail -8 || rc=1
-  fi
+if has stacked; then   # issue 38's stacked one-token GEMVs (fp8now.layers.stacked): their GPU tests, then Llama's
+  # decode rows with and without stacking
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu $STACKED_TESTS 2>&1 | tail -6 || rc=1
+  timeout 240 python3 benchmarks/bench_model.py llama3.1-8b --stacked --impls bf16,fp8now-channel,fp8now-channel-stacked \
+    --phases decode --profile --workdir /tmp/fp8now-bench --out "$OUT/model_stacked_$GPU.json" 2>&1 \
+    | grep -v "UserWarning\|warn_once" | tail -8 || rc=1
 fi
 if has tiles; then   # other sorted-path tiles of the MoE GEMMs at prefill sizes (MOE_TILES), against the plan's;
   # then Qwen3's prefill with the experts' fast accumulation

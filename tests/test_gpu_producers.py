@@ -6,6 +6,7 @@ step, and compiled with torch.compile; the compiled step does not break its grap
 one does not."""
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -44,15 +45,19 @@ def load(folder, scheme, table=ON):
 @pytest.mark.parametrize("scheme", ["channel", "block"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_eager_steps_with_decode_graphs_on_and_off(folder, scheme, batch):
-    """Four eager steps each (the linears capture their graphs at the second sighting, FP8 inputs under
-    their own key): equal logits at every step, the FP8-fed graphs captured."""
+    """Four eager steps each (the linears, or at one row their stack, capture their graphs at the second
+    sighting, FP8 inputs under their own key): equal logits at every step, the FP8-fed graphs captured."""
     on, off = load(folder, scheme), load(folder, scheme, OFF)
     steps = [decode_step(m, batch, 16, 512, seed=batch, device=torch.device("cuda")) for m in (on, off)]
     for _ in range(4):
         a, b = (s() for s in steps)
         assert torch.equal(a, b) and torch.isfinite(a).all()
     q_proj = on.model.layers[1].self_attn.q_proj
-    assert any(key[0][0][1] == torch.float8_e4m3fn for key in q_proj._graphs.entries)
+    # one row of a stacked q/k/v (channel: Table.stacked_gemv) replays the stack's graphs, else q_proj's own
+    stack = q_proj.stack if batch == 1 and q_proj.stack is not None and q_proj.stack.graphs is not None else None
+    graphs = q_proj._graphs if stack is None else stack.graphs
+    assert (stack is not None) == (batch == 1 and scheme == "channel")
+    assert any(key[0][0][1] == torch.float8_e4m3fn for key in graphs.entries)
 
 
 @pytest.mark.parametrize("scheme,mode", [("channel", "graph"), ("block", "graph"), ("channel", "compile")])
@@ -89,6 +94,27 @@ def test_stacked_gemvs_give_the_same_decode_steps(folder, scheme, mode):
         if stacked and mode == "eager":
             assert model.model.layers[0].mlp.gate_proj.stack.graphs.entries   # captured at the second sighting
     assert all(torch.equal(a, b) and torch.isfinite(a).all() for a, b in zip(*outs))
+
+
+def test_a_graph_replay_keeps_the_step_and_its_tensors(folder):
+    """`captured(step, "graph")` without the caller keeping the step: the replay holds it (its ids, mask and
+    cache), so memory allocated and written after the capture cannot be what the graph reads: the replays are
+    equal and within 1e-3 of the eager step's logits (same tokens, a step of its own; token ids read from
+    overwritten memory fail the embedding's bounds assert or give other logits)."""
+    model = load(folder, "channel")
+    eager = decode_step(model, 1, 16, 512, seed=11, device=torch.device("cuda"))()
+    raw = decode_step(model, 1, 16, 512, seed=11, device=torch.device("cuda"))
+    alive = weakref.ref(raw)
+    step = captured(raw, "graph", torch.device("cuda"))
+    del raw
+    gc.collect()
+    assert alive() is not None
+    churn = [torch.full((n,), 1e9, device="cuda") for n in range(1, 2000, 7)]   # would overwrite freed blocks
+    outs = [step().clone() for _ in range(3)]
+    del churn
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    err = ((outs[0].float() - eager.float()).norm() / eager.float().norm()).item()
+    assert torch.isfinite(outs[0]).all() and err < 1e-3, err
 
 
 def test_moving_a_stacked_model_off_the_gpu_frees_its_buffers(folder):

@@ -85,8 +85,18 @@ def captured(step: Callable[[], torch.Tensor], mode: str, device: torch.device) 
         raise RuntimeError(f"the decode step cannot be captured in one CUDA graph ({first}): a forward that "
                            "waits on the host (e.g. data-dependent expert routing) cannot be; --decode-mode "
                            "eager or compile measures it") from e
+    return GraphReplay(step, graph, out)
 
-    def replay() -> torch.Tensor:
-        graph.replay()
-        return out
-    return replay
+
+class GraphReplay:
+    """A step's CUDA graph, replayed by a call that returns the graph's logits tensor. It holds the step: the
+    graph reads tensors only the step's closure holds (its ids, mask, positions, cache), and a replay that
+    outlived them would read their freed memory, by then another tensor's (the tests' batch-1 graph, its step
+    dropped after the capture, read its token ids from a later allocation and failed an embedding assert)."""
+
+    def __init__(self, step: Callable[[], torch.Tensor], graph: torch.cuda.CUDAGraph, out: torch.Tensor) -> None:
+        self.step, self.graph, self.out = step, graph, out
+
+    def __call__(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out

@@ -67,9 +67,9 @@ class Table:
     producer_quant: tuple[str, ...] = PRODUCERS
     # one-token calls of sibling linears fed by one RMSNorm producer (q/k/v; gate/up), whose weights are row
     # slices of one buffer (fp8now.layers.stacked): one GEMV launch for all of them instead of one each (the
-    # same config and bytes). Off: 1.41x -> 1.49x bf16 at Llama-3.1-8B's one-token decode on an H100, but its GPU
-    # tests' batch-1 whole-step graph fails, with or without it (BENCHMARKS.md "Known limits"): on once they pass.
-    stacked_gemv: bool = False
+    # same config and bytes). On: Llama-3.1-8B's one-token decode on an H100 ran 1.34x -> 1.44x bf16 in one call
+    # (BENCHMARKS.md "Whole model"); batches of 2+ rows do not stack.
+    stacked_gemv: bool = True
 
 
 # Device class -> table. Only "cuda-fp8" runs the triton backend; its numbers come from the H200.
