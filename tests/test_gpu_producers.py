@@ -53,10 +53,9 @@ def test_eager_steps_with_decode_graphs_on_and_off(folder, scheme, batch):
         a, b = (s() for s in steps)
         assert torch.equal(a, b) and torch.isfinite(a).all()
     q_proj = on.model.layers[1].self_attn.q_proj
-    # one row of a stacked q/k/v (channel: Table.stacked_gemv) replays the stack's graphs, else q_proj's own
-    stack = q_proj.stack if batch == 1 and q_proj.stack is not None and q_proj.stack.graphs is not None else None
-    graphs = q_proj._graphs if stack is None else stack.graphs
-    assert (stack is not None) == (batch == 1 and scheme == "channel")
+    # one row of the stacked q/k/v (Table.stacked_gemv; channel: the default table's GEMV at every N, which the
+    # stack needs) replays the stack's graphs, else q_proj's own
+    graphs = q_proj.stack.graphs if batch == 1 and scheme == "channel" else q_proj._graphs
     assert any(key[0][0][1] == torch.float8_e4m3fn for key in graphs.entries)
 
 
