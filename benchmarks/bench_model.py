@@ -132,8 +132,8 @@ def implementations(args) -> dict:
         impls.update({f"fp8now-{s}-full": fp8now_loader(s, head=True, embedding=True) for s in schemes})
     if args.producers:    # the RMSNorm and SiLU*up producers' kernels off (on by default: kernels.plan.PRODUCERS)
         impls.update({f"fp8now-{s}-noprod": with_table(fp8now_loader(s), producer_kernels=()) for s in schemes})
-    if args.stacked:      # one-token GEMVs of q/k/v and of gate/up in one launch each (off by default)
-        impls.update({f"fp8now-{s}-stacked": with_table(fp8now_loader(s), stacked_gemv=True) for s in schemes})
+    if args.unstacked:    # one GEMV launch per layer at one token (on by default: q/k/v and gate/up in one each)
+        impls.update({f"fp8now-{s}-unstacked": with_table(fp8now_loader(s), stacked_gemv=False) for s in schemes})
     if args.torchao:
         impls.update({f"torchao-row{accum}{how}": torchao_loader(fast, compiled)
                       for how, compiled in TORCHAO_COMPILE[args.torchao_compile]
@@ -182,9 +182,9 @@ def main() -> None:
                     help="also fp8now-<scheme>-fast: tensor / channel with Fp8Config(fast_accum=True)")
     ap.add_argument("--full", action="store_true",
                     help="also fp8now-<scheme>-full: the output head and the input embedding in FP8 too")
-    ap.add_argument("--stacked", action="store_true",
-                    help="also fp8now-<scheme>-stacked: Table(stacked_gemv=True), one GEMV launch for q/k/v and one "
-                         "for gate/up at one token (fp8now.layers.stacked)")
+    ap.add_argument("--unstacked", action="store_true",
+                    help="also fp8now-<scheme>-unstacked: Table(stacked_gemv=False), one GEMV launch per layer at one "
+                         "token (on by default: one for q/k/v and one for gate/up, fp8now.layers.stacked)")
     ap.add_argument("--producers", action="store_true",
                     help="also fp8now-<scheme>-noprod: the RMSNorm and SiLU*up producer kernels off (on by default)")
     ap.add_argument("--impls", default="", help="only these implementations, e.g. bf16,fp8now-channel")
@@ -232,7 +232,7 @@ def main() -> None:
             child = [sys.executable, os.path.abspath(__file__), "--schemes", args.schemes,
                      "--torchao-accum", args.torchao_accum, "--torchao-compile", args.torchao_compile,
                      *["--torchao"] * args.torchao, *["--fast-accum"] * args.fast_accum, *["--full"] * args.full,
-                     *["--producers"] * args.producers, *["--stacked"] * args.stacked]
+                     *["--producers"] * args.producers, *["--unstacked"] * args.unstacked]
             result = measure(name, folder, impls, device, opts, emit, log, stored_reference(path, key),
                              kernel_times if args.profile else None,
                              lambda impl, reload, folder=folder: measure_alone(child, impl, folder, device, opts.cold,

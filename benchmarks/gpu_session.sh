@@ -118,7 +118,7 @@ fi
 if has stacked; then   # issue 38's stacked one-token GEMVs (fp8now.layers.stacked): their GPU tests, then Llama's
   # decode rows with and without stacking
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu $STACKED_TESTS 2>&1 | tail -6 || rc=1
-  timeout 240 python3 benchmarks/bench_model.py llama3.1-8b --stacked --impls bf16,fp8now-channel,fp8now-channel-stacked \
+  timeout 240 python3 benchmarks/bench_model.py llama3.1-8b --unstacked --impls bf16,fp8now-channel,fp8now-channel-unstacked \
     --phases decode --profile --workdir /tmp/fp8now-bench --out "$OUT/model_stacked_$GPU.json" 2>&1 \
     | grep -v "UserWarning\|warn_once" | tail -8 || rc=1
 fi

@@ -38,14 +38,14 @@ def variants(scheme: str, t: int, k: int, e: int, tiles: tuple = ()) -> dict:
     sorted path, also each of `tiles` ((BLOCK_M, BLOCK_N, num_warps, num_stages)) in its place."""
     from fp8now.kernels.plan import MoeTable, moe_plan
     now = moe_plan(scheme, t, k, e)
-    before = moe_plan(scheme, t, k, e, table=MoeTable(rows=BEFORE_ROWS, direct_max_slots=0, a_reuse_bytes=0))
+    before = moe_plan(scheme, t, k, e, table=MoeTable(rows=BEFORE_ROWS, direct_max_tokens=0, a_reuse_bytes=0))
     before = dataclasses.replace(before, align="triton" if t * k <= 4096 else "torch")
     out = {"now": now, "before": before}
     if now.kernel == "direct":
         out["sorted, same tiles"] = dataclasses.replace(now, kernel="sorted", align="triton")
     else:
         out["align=torch"] = dataclasses.replace(now, align="torch")
-        if t * k <= DIRECT_TRIED:   # around the plan's direct bound (plan.MoeTable.direct_max_slots)
+        if t * k <= DIRECT_TRIED:   # around the plan's direct bound (plan.MoeTable.direct_max_tokens)
             out["direct, same tiles"] = dataclasses.replace(now, kernel="direct", align="none")
     if now.num_warps != 4:
         out["4 warps"] = dataclasses.replace(now, num_warps=4)

@@ -78,8 +78,8 @@ def test_layer_calls_take_the_direct_path_and_repeat_exactly():
     gives the same bytes (the counters were reset: a stale ticket would skip or repeat a combine); after each
     call the counters are zero, so every later call starts as the second did."""
     m = experts("channel", 8, 128, 128, seed=5)
-    x, idx, wts = inputs(2, 4, 8, 128, seed=6)
-    assert kp.moe_plan("channel", 2, 4, 8).kernel == "direct"
+    x, idx, wts = inputs(1, 4, 8, 128, seed=6)   # one token: the plan's direct bound
+    assert kp.moe_plan("channel", 1, 4, 8).kernel == "direct"
     first = m(x, idx, wts)
     assert rel_diff(first.cpu().float(), oracle(m, x, idx, wts).float()) < 1e-4
     assert torch.equal(m.workspace, torch.zeros_like(m.workspace))
@@ -116,7 +116,7 @@ def test_a_reload_keeps_the_counters_where_they_are():
 def test_counters_that_are_too_small_are_refused():
     m = experts("channel", 4, 128, 128, seed=9)
     x, idx, wts = inputs(2, 2, 4, 128, seed=10)
-    path = kp.moe_plan("channel", 2, 2, 4)
+    path = kp.moe_plan("channel", 2, 2, 4, table=DIRECT)
     with pytest.raises(ValueError, match=r"counters must be direct_counters\(128\)"):
         experts_forward(x, idx, wts, expert_weights(m), expert_gate(m), path,
                         torch.zeros(1, dtype=torch.int32, device=DEV))
@@ -124,7 +124,8 @@ def test_counters_that_are_too_small_are_refused():
 
 def test_the_load_report_names_each_experts_path():
     """A real (tiny) Qwen3-MoE model's experts on the triton backend: the report's experts rows carry the path
-    at 8, 512 and 16384 routed slots, and the kernel-plan lines show them (the direct kernels at 8 slots)."""
+    at 8, 512 and 16384 routed slots (1, 64 and 2048 tokens of top-8), and the kernel-plan lines show them (the
+    direct kernels at one token)."""
     import fp8now
     from fp8now import Fp8Config
     from fp8now.report import LoadReport
@@ -137,5 +138,5 @@ def test_the_load_report_names_each_experts_path():
     assert "triton-moe-direct" in rows[0].plan["8"] and "align=triton," in rows[0].plan["512"]
     assert "align=triton-chunked" in rows[0].plan["16384"]
     lines = LoadReport("tiny", str(DEV), "bfloat16", "channel", experts=rows).plan_lines()
-    head = f"  {len(rows)} experts modules ({rows[0].name}, ...), routed slots (tokens x top-k) per call:"
+    head = f"  {len(rows)} experts modules ({rows[0].name}, ...), routed slots (tokens x top-8) per call:"
     assert head in lines and f"    8: {rows[0].plan['8']}" in lines

@@ -229,8 +229,9 @@ def test_a_moe_layers_attention_norm_feeds_its_q_k_v(tmp_path, monkeypatch):
     (`producer_quant=()`): the same logits bit for bit."""
     from moe_tiny import save_moe
     folder = save_moe("qwen3_moe", tmp_path, seed=4, num_hidden_layers=1)
-    on, _ = load(folder, table=Table())
-    off, _ = load(folder, table=Table(producer_quant=()))
+    # stacking off: the one-token step then launches q, k and v each (stacked, one GEMV: tests/test_stacked.py)
+    on, _ = load(folder, table=Table(stacked_gemv=False))
+    off, _ = load(folder, table=Table(producer_quant=(), stacked_gemv=False))
     layer = on.model.layers[0]
     assert isinstance(layer.input_layernorm, FusedRMSNorm) and len(layer.input_layernorm.consumers) == 3
     assert type(layer.post_attention_layernorm).__name__ == "Qwen3MoeRMSNorm"

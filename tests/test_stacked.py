@@ -1,7 +1,8 @@
 """Stacked siblings (fp8now.layers.stacked, issue 38): q/k/v and gate/up of tiny real transformers models loaded
 from safetensors with the triton backend, run by Triton's interpreter on CPU.
 
-A one-token forward with `Table(stacked_gemv=True)` runs one GEMV per stack where the layers alone run one each:
+A one-token forward with `Table(stacked_gemv=True)` (the default) runs one GEMV per stack where the layers alone
+(`stacked_gemv=False`) run one each:
 the logits are equal bit for bit to the layers' own launches (and to a model whose tensors were never stacked),
 every launch is recorded at the backend's one FP8 entry (`triton_fp8.linear_fp8`), reloads write the stack in
 place, a member moved out of the stack runs alone, and an export writes every tensor on its own.
@@ -76,7 +77,7 @@ def test_one_token_runs_one_gemv_per_stack_with_the_same_logits(folders, monkeyp
     attn, mlp = layer.self_attn, layer.mlp
     gemv = {} if scheme == "channel" else {"gemv": BLOCK_GEMV}
     seen = launches(monkeypatch)
-    use(model, **gemv)
+    use(model, stacked_gemv=False, **gemv)
     alone = one_token(model, seed=1)
     n_alone = list(seen)
     seen.clear()
@@ -136,7 +137,7 @@ def test_the_stack_is_the_members_storage_and_a_reload_writes_it_in_place(folder
 def test_a_member_moved_out_of_the_stack_runs_alone(folders, monkeypatch):
     model = load(folders["llama"])
     attn = model.model.layers[0].self_attn
-    use(model)
+    use(model, stacked_gemv=False)
     alone = one_token(model, seed=3)
     attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight.detach().clone(), requires_grad=False)
     assert not attn.q_proj.stack.intact()

@@ -29,9 +29,9 @@ INTERPRET = DEV.type == "cpu"
 WHY = available(DEV, "glu", torch.nn.SiLU(), 128, 128)
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(WHY is not None, reason=f"Triton MoE: {WHY}")]
 SCHEMES = ("tensor", "channel", "block")
-# The plan takes the direct kernels up to 8 routed slots (one decode token; above, the sorted path is faster on
-# the H100); they are correct at any number of slots, and tests run them at more through this table
-DIRECT = kp.MoeTable(direct_max_slots=512)
+# The plan takes the direct kernels at one token (from two, the sorted path is faster on the H100); they are
+# correct at any number of tokens and slots, and tests run them at more through this table
+DIRECT = kp.MoeTable(direct_max_tokens=512, direct_max_slots=512)
 LIMIT = 0.3   # GPT-OSS's clamp, scaled to these weights so that it bites
 
 
@@ -307,12 +307,13 @@ def test_plan_is_a_pure_table_lookup():
     p1, p2 = kp.moe_plan("block", 1, 8, 128), kp.moe_plan("block", 16384, 8, 128)
     assert (p1.block_m, p2.block_m) == (16, 128) and p1.act == "group"
     assert (p1.kernel, p2.kernel) == ("direct", "sorted") and "triton-moe-direct" in p1.name
-    # the direct kernels up to 8 routed slots (one token of top-8, four of top-2), never in batch-invariant mode
+    # the direct kernels at one token (of top-8 or top-2) up to 64 routed slots, never in batch-invariant mode
     assert [kp.moe_plan("channel", t, 8, 128).kernel for t in (1, 2, 64)] == ["direct", "sorted", "sorted"]
-    assert [kp.moe_plan("channel", t, 2, 8).kernel for t in (4, 5)] == ["direct", "sorted"]
+    assert [kp.moe_plan("channel", t, 2, 8).kernel for t in (1, 2)] == ["direct", "sorted"]
+    assert [kp.moe_plan("channel", 1, k, 256).kernel for k in (64, 65)] == ["direct", "sorted"]
     assert [kp.moe_plan("channel", t, 8, 128, table=DIRECT).kernel for t in (64, 65)] == ["direct", "sorted"]
     assert kp.moe_plan("channel", 1, 8, 128, batch_invariant=True).kernel == "sorted"
-    assert kp.moe_plan("channel", 1, 8, 128, table=kp.MoeTable(direct_max_slots=0)).kernel == "sorted"
+    assert kp.moe_plan("channel", 1, 8, 128, table=kp.MoeTable(direct_max_tokens=0)).kernel == "sorted"
     inv = {dataclasses.replace(kp.moe_plan("channel", t, 2, 8, batch_invariant=True), align="")
            for t in (1, 3, 64, 4096)}   # one GEMM config; the alignment's result is the same either way
     assert len(inv) == 1 and next(iter(inv)).invariant
@@ -344,7 +345,7 @@ def test_fast_accumulation_layer_matches_the_exact_oracle(scheme):
     x = (torch.randn(t, h, generator=torch.Generator().manual_seed(22)) * 2).bfloat16().to(DEV)
     idx = routing_of(t, k, e, seed=23)
     wts = torch.rand(t, k, generator=torch.Generator().manual_seed(24)).to(DEV)
-    table = kp.MoeTable(direct_max_slots=0)   # the sorted path at these few slots, as at prefill sizes
+    table = kp.MoeTable(direct_max_tokens=0)   # the sorted path at these few slots, as at prefill sizes
     path = kp.moe_plan(scheme, t, k, e, table=table, fast_accum=True)
     assert path.kernel == "sorted" and path.fast_accum
     y = experts_forward(x, idx, wts, expert_weights(m_fast), expert_gate(m_fast), path)

@@ -182,8 +182,8 @@ class Fp8Config:
         promoting every K-block's product to float32: faster, fewer accurate bits. Only GPU backends
         with FP8 tensor cores have it (others refuse); `block` refuses it (see FAST_ACCUM_BLOCK).
         Routed experts (Fp8Experts) use it in the triton backend's grouped GEMMs of the sorted path (calls
-        of more than 8 routed slots: plan.MoeTable.direct_max_slots); the direct kernels of fewer slots (one
-        decode token), which read the weights at memory speed, keep promoting.
+        of more than one token: plan.MoeTable.direct_max_tokens); the direct kernels of one decode token,
+        which read the weights at memory speed, keep promoting.
     weight_numerics: "spec" (SPEC §4: float32 scales and division), or "llm-compressor" /
         "llm-compressor-triton": the FP8 bytes and scales llm-compressor's data-free FP8_DYNAMIC (channel)
         and FP8_BLOCK (block) write (fp8now.kernels.llmc; scales kept in the weight's dtype, which

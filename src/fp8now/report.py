@@ -50,7 +50,7 @@ class ExpertsRow:
     min_sqnr_db: float | None
     median_sqnr_db: float | None
     act: str = ""   # the experts' activation scales: token or group (never one over the batch)
-    plan: dict[str, str] = field(default_factory=dict)   # routed slots (tokens x top-k) per call: path
+    plan: dict[str, str] = field(default_factory=dict)   # routed slots (tokens x top-8) per call: path
 
 
 @dataclass
@@ -168,7 +168,7 @@ class LoadReport:
                 experts.setdefault(tuple(row.plan.items()), []).append(row.name)
         for plan, names in experts.items():
             lines.append(f"  {len(names)} experts modules ({names[0]}{', ...' if len(names) > 1 else ''}), "
-                         "routed slots (tokens x top-k) per call:")
+                         "routed slots (tokens x top-8) per call:")
             lines += [f"    {slots}: {path}" for slots, path in plan]
         return lines
 

@@ -218,9 +218,9 @@ class MoeTable:
     """Launch configs of the grouped MoE GEMMs: rows (mean routed rows per expert up to, BLOCK_M,
     BLOCK_N, num_warps, num_stages), the last row open-ended (None); `invariant`: the one config of
     batch-invariant mode, the same for every T (BLOCK_M, BLOCK_N, num_warps, num_stages). Up to
-    `direct_max_slots` routed slots (T * k) the "direct" kernels take each expert's slots from the ids
-    themselves (`triton_moe_direct`: two launches; each program re-reads the ids, so only for few
-    slots; any number of slots gives the sorted path's bytes), except in batch-invariant mode; above, the
+    `direct_max_tokens` tokens and `direct_max_slots` routed slots (T * k) the "direct" kernels take each
+    expert's slots from the ids themselves (`triton_moe_direct`: two launches; each program re-reads the ids,
+    so only for few slots; any number gives the sorted path's bytes), except in batch-invariant mode; else the
     "sorted" path aligns the routing first: up to `triton_align_max_slots` slots by the one-program Triton counting sort, above by the two-launch
     chunked one (same result as the torch ops of `moe_align.align`)."""
 
@@ -230,10 +230,13 @@ class MoeTable:
     rows: tuple[tuple[int | None, int, int, int, int], ...] = (
         (16, 16, 64, 4, 4), (64, 32, 128, 8, 4), (256, 64, 256, 8, 4), (None, 128, 128, 8, 4))
     invariant: tuple[int, int, int, int] = (64, 64, 4, 4)
-    # The direct kernels' two launches beat the sorted path's six at one token (H100, tune_moe, 687390d: Qwen3-30B-A3B
-    # 32.0 against 45.0 µs, 8 slots; Mixtral-8x7B 163 against 176, 2 slots) and lose from 8 tokens (Qwen3 64 slots
-    # 183 against 127 µs, 512 slots 513 against 265; Mixtral 16 slots 618 against 463, 128 slots 1,098 against 530)
-    direct_max_slots: int = 8
+    # The direct kernels' two launches beat the sorted path's six at one token, where every hit expert takes one row
+    # (H100, tune_moe, d809d09: Qwen3-30B-A3B 32.0 against 44.7 µs; Mixtral-8x7B 164 against 175), and lose from two
+    # (Qwen3 2 / 4 / 8 tokens: 64 / 112 / 186 against 58 / 77 / 129 µs; Mixtral 362 / 511 / 634 against 226 / 341 /
+    # 468): a slot bound alone cannot say it (Mixtral's 4 slots lose, Qwen3's 8 win). `direct_max_slots` bounds
+    # the ids each program scans.
+    direct_max_tokens: int = 1
+    direct_max_slots: int = 64
     triton_align_max_slots: int = 4096
     a_reuse_bytes: int = A_REUSE_BYTES
 
@@ -296,7 +299,7 @@ def moe_plan(scheme: Scheme, tokens: int, top_k: int, experts: int, device_class
         return MoePath(scheme, act, *table.invariant, invariant=True, align=align, a_reuse_bytes=table.a_reuse_bytes)
     per_expert = slots / max(experts, 1)
     bound, *config = next(r for r in table.rows if r[0] is None or per_expert <= r[0])
-    if slots <= table.direct_max_slots and not compiling:
+    if tokens <= table.direct_max_tokens and slots <= table.direct_max_slots and not compiling:
         return MoePath(scheme, act, *config, align="none", kernel="direct")
     return MoePath(scheme, act, *config, align=align, fast_accum=fast_accum and act == "token",
                    a_reuse_bytes=table.a_reuse_bytes)

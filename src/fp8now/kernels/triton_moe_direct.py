@@ -14,7 +14,8 @@ gate or combine kernel.
   sorted path's `_combine_kernel` order, whatever the arrival order), and resets the counter.
 Rows and scales go through the same operations in the same order as the sorted path with the same
 tile config, so both give the same bytes. Each program re-reads the ids (O(S)), hence the small-S
-bound in `plan.MoeTable.direct_max_slots`. No host sync: it captures in CUDA graphs. The counters
+bound in `plan.MoeTable.direct_max_slots`; the plan takes them at one token (`direct_max_tokens`, where they beat
+the sorted path on the H100). No host sync: it captures in CUDA graphs. The counters
 (`direct_counters`) must be zero before a launch and are zero after it: a layer keeps one tensor
 for its life and two launches sharing it must not run at the same time.
 """

@@ -17,8 +17,10 @@ from ..kernels.plan import moe_plan
 EXPERT_BACKENDS = ("auto", "triton", "cpu", "reference")
 EXPERT_TABLE = {"cuda-fp8": ("triton", "reference"), "cuda": ("reference",), "cpu": ("cpu", "reference")}
 SPLIT_BACKENDS = ("cpu", "reference")
-# routed slots per call the report shows a plan for: a decode token, a decode batch, prefill
+# routed slots per call the report shows a plan for, as tokens of top-PLAN_TOP_K: a decode token, a decode batch
+# of 64, a 2048-token prefill (the plan depends on the tokens, the slots and E)
 PLAN_SLOTS = (8, 512, 16384)
+PLAN_TOP_K = 8
 
 
 def expert_backend_reason(name: str, device: torch.device, experts: nn.Module) -> str | None:
@@ -61,10 +63,10 @@ def expert_workspace(experts: nn.Module) -> torch.Tensor | None:
 
 
 def expert_plan_names(experts: nn.Module) -> dict[str, str]:
-    """The triton backend's path at each of PLAN_SLOTS routed slots per call (the plan depends on the slots,
-    T x top-k, and E only), or {} for a backend without a per-call plan."""
+    """The triton backend's path at each of PLAN_SLOTS routed slots per call (tokens of top-PLAN_TOP_K), or {}
+    for a backend without a per-call plan."""
     if experts.backend != "triton":
         return {}
     dclass = device_class(experts.w13.device)
-    return {str(s): moe_plan(experts.scheme, s, 1, experts.num_experts, dclass, experts.batch_invariant,
+    return {str(s): moe_plan(experts.scheme, s // PLAN_TOP_K, PLAN_TOP_K, experts.num_experts, dclass, experts.batch_invariant,
                              fast_accum=experts.fast_accum).name for s in PLAN_SLOTS}

@@ -63,7 +63,7 @@ class Handoff:
         self.y = self.version = self.act = self.fp8 = None
 
 
-def _runs(producer: str, consumer: Fp8Linear, x: torch.Tensor) -> bool:
+def kernel_runs(producer: str, consumer: Fp8Linear, x: torch.Tensor) -> bool:
     """Does `producer` run as its kernel in front of `consumer` on input x: its table says so, it is on the
     triton backend on x's device (where the Triton kernels run: the backend checked it), and no torch.compile
     traces it (there inductor fuses the per-token quantizer into transformers' own ops, `Table.compiled_quant`;
@@ -87,7 +87,7 @@ class FusedRMSNorm(nn.Module):
         self.handoff = Handoff()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _runs("rmsnorm", self.consumers[0], x) or triton_norm.unfit(x, self.weight) is not None:
+        if not kernel_runs("rmsnorm", self.consumers[0], x) or triton_norm.unfit(x, self.weight) is not None:
             return self.original_forward(self, x)
         x2 = x.reshape(-1, x.shape[-1])
         m = x2.shape[0]
@@ -122,7 +122,7 @@ class FusedGatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         down = self.down_proj
-        if not _runs("silu-mul", down, x) or x.dtype not in triton_norm.DTYPES:
+        if not kernel_runs("silu-mul", down, x) or x.dtype not in triton_norm.DTYPES:
             return self.original_forward(self, x)
         g, u = self.gate_proj(x), self.up_proj(x)
         g2, u2 = g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1])

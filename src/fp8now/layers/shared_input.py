@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import producers
+from . import head_norm, producers
 from .linear import Fp8Linear
 
 
@@ -46,7 +46,7 @@ class InputMemo:
 def share_inputs(model: nn.Module) -> int:
     """Give each group of sibling layers (same parent, K and activation kind, on a backend with a
     `widened_activation` hook: cpu) one memo, and install the producers' kernels in front of triton-backend
-    layers (`producers.install`); returns the number of layers that share one memo. Idempotent."""
+    layers (`producers.install`) and the per-head norms' kernel behind them (`head_norm.install`); returns the number of layers that share one memo. Idempotent."""
     shared = 0
     for parent in model.modules():
         groups: dict[tuple[int, str], list[Fp8Linear]] = {}
@@ -63,6 +63,7 @@ def share_inputs(model: nn.Module) -> int:
                 layer.input_memo = memo
             shared += len(layers)
     producers.install(model)
+    head_norm.install(model)
     return shared
 
 
