@@ -110,7 +110,8 @@ if has recheck; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" tests/test_gpu_reload.py tests/test_triton_peaks.py \
     tests/test_gpu_producers.py 2>&1 | tee "$OUT/pytest_recheck.log" | tail -8 || rc=1
   for m in llama3.1-8b qwen3-30b-a3b; do
-    timeout 200 python3 benchmarks/bench_model.py $m --producers --impls bf16,fp8now-channel,fp8now-channel-noprod \
+    timeout 200 python3 benchmarks/bench_model.py $m --producers \
+      --impls bf16,fp8now-channel,fp8now-channel-noprod$([ $m = qwen3-30b-a3b ] && echo ,fp8now-channel-nohead) \
       --phases accuracy,prefill,decode --profile --workdir /tmp/fp8now-bench --out "$OUT/model_$GPU.json" \
       $([ $m = qwen3-30b-a3b ] && echo --add) 2>&1 | grep -v "UserWarning\|warn_once" | tail -12 || rc=1
   done

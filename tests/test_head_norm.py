@@ -80,8 +80,8 @@ def test_the_kernel_is_transformers_norm_up_to_a_rounding_step(folder, monkeypat
 def test_the_model_with_head_norms_stays_within_fp8_noise_and_keeps_its_names(folder, monkeypatch):
     """Every q_norm / k_norm of the triton-backend model is a HeadRMSNorm (installing again changes nothing); a
     prefill and a decode step launch one norm kernel per head norm; the logits stay within FP8 noise of the same
-    model with transformers' norms (`Table(producer_kernels=())`, which also runs their forward as
-    transformers does, bit for bit); the state dict has the checkpoint's names."""
+    model with transformers' norms (`Table(producer_kernels=())`, which, as `Table(head_norm_kernel=False)`,
+    runs their forward as transformers does, bit for bit); the state dict has the checkpoint's names."""
     from transformers import AutoModelForCausalLM, DynamicCache
     model, plain = load(folder), load(folder, Table(producer_kernels=()))
     heads = [m for m in model.modules() if isinstance(m, HeadRMSNorm)]
@@ -90,8 +90,10 @@ def test_the_model_with_head_norms_stays_within_fp8_noise_and_keeps_its_names(fo
     assert set(model.state_dict()) == set(plain.state_dict())
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     x = torch.randn(1, 4, 2, 64, generator=torch.Generator().manual_seed(12)).bfloat16()
+    off = load(folder, Table(head_norm_kernel=False))   # the head norms alone off
     with torch.inference_mode():
         assert torch.equal(plain.model.layers[0].self_attn.q_norm(x), hf.model.layers[0].self_attn.q_norm(x))
+        assert torch.equal(off.model.layers[0].self_attn.q_norm(x), hf.model.layers[0].self_attn.q_norm(x))
     ids = torch.randint(0, 512, (1, 6), generator=torch.Generator().manual_seed(13))
     outs = []
     for m in (model, plain):

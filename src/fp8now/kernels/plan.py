@@ -65,6 +65,9 @@ class Table:
     # of those, the ones whose kernel also writes the FP8 bytes + scales its consumers read instead of
     # quantizing its bf16 output themselves (the same bytes)
     producer_quant: tuple[str, ...] = PRODUCERS
+    # Qwen3's per-head q/k RMSNorms as one Triton kernel each (fp8now.layers.head_norm; also needs "rmsnorm" in
+    # producer_kernels): 8 elementwise launches -> 1, twice a layer
+    head_norm_kernel: bool = True
     # one-token calls of sibling linears fed by one RMSNorm producer (q/k/v; gate/up), whose weights are row
     # slices of one buffer (fp8now.layers.stacked): one GEMV launch for all of them instead of one each (the
     # same config and bytes). On: Llama-3.1-8B's one-token decode on an H100 ran 1.34x -> 1.44x bf16 in one call

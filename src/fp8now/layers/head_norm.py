@@ -8,9 +8,9 @@ more than one kernel each would take, ~0.2 ms of a Qwen3-30B-A3B 8-layer step of
 these rows): transformers' formula and rounding points, its own sum of squares (so a bf16 output can differ by one
 rounding step in rare elements, as the producers' norm; tests/test_producers.py).
 
-When: the same switch as the producers' RMSNorm (`"rmsnorm"` in the q_proj's `Table.producer_kernels`), the
-q_proj on the triton backend on the input's device, and no torch.compile tracing (inductor fuses transformers'
-ops itself); else transformers' own forward. The module keeps the norm's `weight` parameter under the same name,
+When: the q_proj's table has `head_norm_kernel` and the producers' RMSNorm (`"rmsnorm"` in
+`Table.producer_kernels`), the q_proj is on the triton backend on the input's device, and no torch.compile
+traces the call (inductor fuses transformers' ops itself); else transformers' own forward. The module keeps the norm's `weight` parameter under the same name,
 so state dicts, exports and reloads see the model they saw. Installed at load beside the producers
 (`shared_input.share_inputs`); idempotent; not for models split by tensor parallelism.
 """
@@ -41,7 +41,9 @@ class HeadRMSNorm(nn.Module):
         self.owner = [owner]   # a plain list: the linear is registered in the attention module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not kernel_runs("rmsnorm", self.owner[0], x) or triton_norm.unfit(x, self.weight) is not None:
+        owner = self.owner[0]
+        if (not (kernel_runs("rmsnorm", owner, x) and owner.table.head_norm_kernel)
+                or triton_norm.unfit(x, self.weight) is not None):
             return self.original_forward(self, x)
         x2 = x.reshape(-1, x.shape[-1])
         y, _, _ = triton_norm.rms_norm(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.weight,
