@@ -188,7 +188,8 @@ def main() -> None:
                          "token (on by default: one for q/k/v and one for gate/up, fp8now.layers.stacked)")
     ap.add_argument("--producers", action="store_true",
                     help="also fp8now-<scheme>-noprod: the RMSNorm and SiLU*up producer kernels off (on by default), "
-                         "and fp8now-<scheme>-nohead: Qwen3's per-head norms in transformers' ops (Table.head_norm_kernel)")
+                         "and fp8now-<scheme>-nohead: Qwen3's per-head norms in transformers' ops "
+                         "(Table.head_norm_kernel)")
     ap.add_argument("--impls", default="", help="only these implementations, e.g. bf16,fp8now-channel")
     ap.add_argument("--profile", action="store_true", help="GPU time per kernel family of every prefill and "
                     "decode row (torch.profiler; CUDA only)")

@@ -104,19 +104,19 @@ def test_cpu_smoke_run_writes_every_case(tmp_path):
 
 
 def test_tune_moe_smoke_run_compares_each_change(tmp_path):
-    """benchmarks/tune_moe.py on the CPU (interpreter, one tiny shape, the direct path's sizes): per token
-    count the plan now, the plan before issue 38 and the sorted path on the direct path's tiles, all three
-    with the plan's bytes, each timed."""
+    """benchmarks/tune_moe.py on the CPU (interpreter, one tiny shape, one token: the direct path's size): the plan
+    now, the plan before issue 38 and the sorted path on the direct path's tiles, all three with the plan's bytes,
+    each timed."""
     out = tmp_path / "tune.json"
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"), TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "tune_moe.py"), "--device", "cpu", "--shapes",
-                           "qwen3-tiny", "--tokens", "1,2", "--out", str(out)], capture_output=True, text=True,
+                           "qwen3-tiny", "--tokens", "1", "--out", str(out)], capture_output=True, text=True,
                           env=env, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["meta"]["gpu"] == "cpu" and "tune_moe.py" in data["meta"]["command"]
     got = {(r["tokens"], r["variant"]): r for r in data["rows"]}
-    assert set(got) == {(t, v) for t in (1, 2) for v in ("now", "before", "sorted, same tiles")}
+    assert set(got) == {(1, v) for v in ("now", "before", "sorted, same tiles")}
     for (t, v), r in got.items():
         assert r["same_bytes"] and r["ms"] > 0 and r["scheme"] == "channel"
         assert ("triton-moe-direct" in r["path"]) == (v == "now") and ("align=triton," in r["path"]) == (v != "now")

@@ -10,8 +10,8 @@ rounding step in rare elements, as the producers' norm; tests/test_producers.py)
 
 When: the q_proj's table has `head_norm_kernel` and the producers' RMSNorm (`"rmsnorm"` in
 `Table.producer_kernels`), the q_proj is on the triton backend on the input's device, and no torch.compile
-traces the call (inductor fuses transformers' ops itself); else transformers' own forward. The module keeps the norm's `weight` parameter under the same name,
-so state dicts, exports and reloads see the model they saw. Installed at load beside the producers
+traces the call (inductor fuses transformers' ops itself); else transformers' own forward. The module keeps the
+norm's `weight` parameter under the same name, so state dicts, exports and reloads see the model they saw. Installed at load beside the producers
 (`shared_input.share_inputs`); idempotent; not for models split by tensor parallelism.
 """
 

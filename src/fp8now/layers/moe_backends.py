@@ -68,5 +68,6 @@ def expert_plan_names(experts: nn.Module) -> dict[str, str]:
     if experts.backend != "triton":
         return {}
     dclass = device_class(experts.w13.device)
-    return {str(s): moe_plan(experts.scheme, s // PLAN_TOP_K, PLAN_TOP_K, experts.num_experts, dclass, experts.batch_invariant,
+    return {str(s): moe_plan(experts.scheme, s // PLAN_TOP_K, PLAN_TOP_K, experts.num_experts, dclass,
+                             experts.batch_invariant,
                              fast_accum=experts.fast_accum).name for s in PLAN_SLOTS}

@@ -46,7 +46,8 @@ class InputMemo:
 def share_inputs(model: nn.Module) -> int:
     """Give each group of sibling layers (same parent, K and activation kind, on a backend with a
     `widened_activation` hook: cpu) one memo, and install the producers' kernels in front of triton-backend
-    layers (`producers.install`) and the per-head norms' kernel behind them (`head_norm.install`); returns the number of layers that share one memo. Idempotent."""
+    layers (`producers.install`) and the per-head norms' kernel behind them (`head_norm.install`); returns the
+    number of layers that share one memo. Idempotent."""
     shared = 0
     for parent in model.modules():
         groups: dict[tuple[int, str], list[Fp8Linear]] = {}
