@@ -21,7 +21,9 @@ transformers' fused expert tensors, which are no nn.Linear): `torchao-row` (its 
 and `torchao-row-f32acc` (float32 accumulation), each eager and under torch.compile (`-compiled`: the
 model's forward compiled in torch.compile's default mode, as torchao recommends using it; no CUDA graphs
 of its own, so its decode step is replayed from the same CUDA graph as every other row's; prefill shapes
-compile on their first, untimed call). `--torchao-compile` picks eager, compiled or both. The bf16
+compile on their first, untimed call; `-regional`: each decoder layer compiled alone instead, transformers'
+"regional compilation", whose one compile serves every layer of the model: minutes less per shape, at the cost of
+fusions across a layer's edges). `--torchao-compile` picks eager, compiled, both or regional. The bf16
 logits of the accuracy prompts are kept in --workdir, so a run split with --impls compares every
 implementation against the same reference.
 """
@@ -45,15 +47,16 @@ from timing import kernels_of
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-# --torchao-compile -> (name suffix, compiled) of the torchao peers
-TORCHAO_COMPILE = {"eager": (("", False),), "compiled": (("-compiled", True),),
-                   "both": (("", False), ("-compiled", True))}
+# --torchao-compile -> (name suffix, compile: None, "model" or "regional") of the torchao peers
+TORCHAO_COMPILE = {"eager": (("", None),), "compiled": (("-compiled", "model"),),
+                   "both": (("", None), ("-compiled", "model")), "regional": (("-regional", "regional"),)}
 
 
-def torchao_loader(fast_accum: bool, compiled: bool = False):
+def torchao_loader(fast_accum: bool, compiled: str | None = None):
     """bf16 `from_pretrained`, then torchao's float8 dynamic per-row quantize_ of fp8now's target linears
-    (the load time includes both), then, if `compiled`, torch.compile of the model's forward (its
-    compilation happens at the first call of each shape, which every measurement leaves untimed)."""
+    (the load time includes both), then torch.compile of the model's forward (`compiled` "model") or of each
+    decoder layer (`compiled` "regional": the layers share one compile); it compiles at the first call of each
+    shape, which every measurement leaves untimed."""
     def load(folder: Path, device: torch.device):
         from torchao.float8.inference import Float8MMConfig
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, quantize_
@@ -68,8 +71,11 @@ def torchao_loader(fast_accum: bool, compiled: bool = False):
         quantize_(model, Float8DynamicActivationFloat8WeightConfig(
             granularity=PerRow(), mm_config=Float8MMConfig(use_fast_accum=fast_accum)),
             filter_fn=lambda module, fqn: fqn in targets)
-        if compiled:
+        if compiled == "model":
             model.forward = torch.compile(model.forward)
+        elif compiled == "regional":
+            for layer in model.model.layers:
+                layer.compile()
         return model, None
     return load
 
@@ -178,7 +184,8 @@ def main() -> None:
     ap.add_argument("--torchao-accum", default="both", choices=sorted(TORCHAO_ACCUM),
                     help="torchao-row (fast, its default), torchao-row-f32acc (f32), or both (default)")
     ap.add_argument("--torchao-compile", default="both", choices=sorted(TORCHAO_COMPILE),
-                    help="the torchao peers eager, under torch.compile (-compiled), or both (default)")
+                    help="the torchao peers eager, under torch.compile (-compiled), both (default), or each "
+                         "decoder layer compiled alone (-regional: one compile for all layers)")
     ap.add_argument("--fast-accum", action="store_true",
                     help="also fp8now-<scheme>-fast: tensor / channel with Fp8Config(fast_accum=True)")
     ap.add_argument("--full", action="store_true",

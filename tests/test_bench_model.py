@@ -271,13 +271,15 @@ def test_agreement_against_a_direct_computation():
 
 def test_unknown_impls_list_the_runs_names_before_anything_loads(tmp_path, monkeypatch):
     """--torchao's peers: per-row with fast (its default) and float32 accumulation, each eager and compiled
-    (`-compiled`; --torchao-compile picks); --fast-accum's: tensor and channel only (no fp8now-block-fast). An
+    (`-compiled`, or each decoder layer alone: `-regional`; --torchao-compile picks); --fast-accum's: tensor and channel only (no fp8now-block-fast). An
     unknown --impls lists the run's names before anything loads or is written."""
     work = str(tmp_path / "w")
     names = "bf16, fp8now-channel, torchao-row, torchao-row-f32acc, torchao-row-compiled, torchao-row-f32acc-compiled"
     for args, listed in ((("channel", "--torchao", "--impls", "x"), f"({names}; torchao's need --torchao)"),
                          (("channel", "--torchao", "--torchao-compile", "compiled", "--torchao-accum", "fast",
                            "--impls", "x"), "(bf16, fp8now-channel, torchao-row-compiled; "),
+                         (("channel", "--torchao", "--torchao-compile", "regional", "--torchao-accum", "fast",
+                           "--impls", "x"), "(bf16, fp8now-channel, torchao-row-regional; "),
                          (("channel,block", "--fast-accum", "--impls", "fp8now-block-fast"),
                           "(bf16, fp8now-channel, fp8now-block, fp8now-channel-fast; ")):
         with pytest.raises(SystemExit) as e:
