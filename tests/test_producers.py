@@ -20,6 +20,7 @@ import fp8now  # noqa: E402
 from fp8now import Fp8Config, Fp8Linear  # noqa: E402
 from fp8now.kernels import triton_fp8, triton_jit  # noqa: E402
 from fp8now.kernels.plan import PRODUCERS, QUANT_INSIDE, Table  # noqa: E402
+from fp8now.layers.head_norm import HeadRMSNorm  # noqa: E402
 from fp8now.layers.producers import FusedGatedMLP, FusedRMSNorm, install  # noqa: E402
 from tiny import write_tiny_checkpoint  # noqa: E402
 
@@ -225,7 +226,8 @@ def test_under_torch_compile_the_producers_step_aside(checkpoints, monkeypatch):
 
 def test_a_moe_layers_attention_norm_feeds_its_q_k_v(tmp_path, monkeypatch):
     """Qwen3-MoE: the input RMSNorm (`Qwen3MoeRMSNorm`) becomes the producer of q/k/v; the norm in front of the
-    experts block stays transformers' (no FP8 linear reads it directly). The producer's quantization on or off
+    experts block stays transformers' (no FP8 linear reads it directly); the per-head q/k norms run as one kernel
+    each (fp8now.layers.head_norm). The producer's quantization on or off
     (`producer_quant=()`): the same logits bit for bit."""
     from moe_tiny import save_moe
     folder = save_moe("qwen3_moe", tmp_path, seed=4, num_hidden_layers=1)
@@ -235,6 +237,7 @@ def test_a_moe_layers_attention_norm_feeds_its_q_k_v(tmp_path, monkeypatch):
     layer = on.model.layers[0]
     assert isinstance(layer.input_layernorm, FusedRMSNorm) and len(layer.input_layernorm.consumers) == 3
     assert type(layer.post_attention_layernorm).__name__ == "Qwen3MoeRMSNorm"
+    assert all(isinstance(n, HeadRMSNorm) for n in (layer.self_attn.q_norm, layer.self_attn.k_norm))
     rec = Recorder(monkeypatch)
     ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(6))
     logits = run(on, ids)

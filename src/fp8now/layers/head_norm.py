@@ -2,17 +2,19 @@
 Triton kernel each, where the attention's q_proj runs on the triton backend.
 
 Why: transformers' RMSNorm is eight elementwise launches (the cast to float32, the square, the mean, + eps,
-rsqrt, the product, the cast back, the weight's product); a decode step of Qwen3 runs two per layer, 14 launches
-more than one kernel each would take, ~0.2 ms of a Qwen3-30B-A3B 8-layer step of 1.8 ms at one token
-(BENCHMARKS.md "Whole model"). The kernel is `kernels.triton_norm.rms_norm` without FP8 output (no linear reads
-these rows): transformers' formula and rounding points, its own sum of squares (so a bf16 output can differ by one
-rounding step in rare elements, as the producers' norm; tests/test_producers.py).
+rsqrt, the product, the cast back, the weight's product), and a decode step of Qwen3 runs two per layer: 14
+launches a layer more than one kernel each. On an H100 the Qwen3-30B-A3B preset's one-token step (8 layers) went
+from 1.80 to 1.56 ms with them (1.47x -> 1.71x bf16, two calls; the "other" kernels 834 -> 632 µs; BENCHMARKS.md
+"Whole model"). The kernel is `kernels.triton_norm.rms_norm` without FP8 output (no linear reads these rows):
+transformers' formula and rounding points, its own sum of squares, so a bf16 output can differ by one rounding
+step in rare elements, as the producers' norm's (tests/test_head_norm.py).
 
 When: the q_proj's table has `head_norm_kernel` and the producers' RMSNorm (`"rmsnorm"` in
 `Table.producer_kernels`), the q_proj is on the triton backend on the input's device, and no torch.compile
 traces the call (inductor fuses transformers' ops itself); else transformers' own forward. The module keeps the
-norm's `weight` parameter under the same name, so state dicts, exports and reloads see the model they saw. Installed at load beside the producers
-(`shared_input.share_inputs`); idempotent; not for models split by tensor parallelism.
+norm's `weight` parameter under the same name, so state dicts, exports and reloads see the model they saw.
+Installed at load beside the producers (`shared_input.share_inputs`); idempotent; not for models split by tensor
+parallelism.
 """
 
 from __future__ import annotations
