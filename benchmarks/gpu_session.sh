@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Check and time fp8now on one GPU in one call. Usage: bash benchmarks/gpu_session.sh [PHASES]
+# The results name the commit measured: pass FP8NOW_COMMIT="<commit> <tree>" (`git log -1 --format='%h %T'` of the
+# tree sent, expanded where the history is) through the device tool, whose copy keeps its first call's HEAD.
 # PHASES: a comma list of tests,core,quant,linear,decode,model,moe,kl,fusion,load,recheck,stacked,tiles (default
 # tests,core,quant,decode,linear).
 # Each benchmark writes its results file into $OUT (default /tmp/out) under the name it has in

@@ -15,22 +15,46 @@ import torch
 META_KEYS = ("date", "gpu", "torch", "triton", "commit", "command")
 
 
-def _git(*args: str) -> str | None:
+HERE = os.path.dirname(os.path.abspath(__file__))
+CLAIM = "FP8NOW_COMMIT"   # "<commit> <tree>": the commit the caller says this checkout's files are
+
+
+def _git(*args: str, cwd: str = HERE, env: dict | None = None) -> str | None:
     try:
-        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=30, cwd=cwd, env=env)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def commit() -> str | None:
-    """The checkout's short commit, "+dirty" when tracked files differ from it (the measured code is
-    then not that commit's), or None outside a git checkout."""
-    head = _git("rev-parse", "--short", "HEAD")
+def tree(cwd: str = HERE) -> str | None:
+    """The git tree hash of the checkout's files as they are (tracked and untracked, less the ignored ones),
+    through a scratch index: the `<commit>^{tree}` of the commit whose code this is, whatever HEAD says."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as scratch:
+        env = dict(os.environ, GIT_INDEX_FILE=os.path.join(scratch, "index"))
+        top = _git("rev-parse", "--show-toplevel", cwd=cwd)
+        if not top or _git("add", "-A", ".", cwd=top, env=env) is None:
+            return None
+        return _git("write-tree", cwd=top, env=env)
+
+
+def commit(cwd: str = HERE) -> str | None:
+    """The short commit whose files the checkout holds: HEAD where they are HEAD's; else the commit named by
+    FP8NOW_COMMIT="<commit> <tree>" where its tree is the files' (the device tool copies a working tree into a
+    checkout whose HEAD stays at its first call's commit: `FP8NOW_COMMIT="$(git log -1 --format='%h %T')"`,
+    expanded on the machine that has the history); else HEAD + "+dirty" (the measured code is no commit's).
+    None outside a git checkout."""
+    head = _git("rev-parse", "--short", "HEAD", cwd=cwd)
     if not head:
         return None
-    return head + "+dirty" if _git("status", "--porcelain", "--untracked-files=no") else head
+    now = tree(cwd)
+    if now is not None and now == _git("rev-parse", "HEAD^{tree}", cwd=cwd):
+        return head
+    claimed = os.environ.get(CLAIM, "").split()
+    if now is not None and len(claimed) == 2 and claimed[1] == now:
+        return claimed[0]
+    return head + "+dirty"
 
 
 def meta(device: str = "cuda", argv: list[str] | None = None) -> dict:

@@ -100,13 +100,50 @@ def test_results_file_holds_meta_and_rows(tmp_path):
         record.read(str(tmp_path / "old.json"))
 
 
-def test_meta_names_the_checkout_commit():
+def test_meta_names_the_checkout_commit(monkeypatch):
     import subprocess
+    monkeypatch.delenv(record.CLAIM, raising=False)
     root = os.path.join(os.path.dirname(__file__), "..")
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
     if head.returncode != 0:
         pytest.skip("not a git checkout (a copied tree): commit is None there")
     got = record.commit()
     assert got.split("+")[0] and head.stdout.strip().startswith(got.split("+")[0])
-    assert got.endswith("+dirty") == bool(subprocess.run(
-        ["git", "diff", "HEAD", "--quiet"], cwd=root).returncode)
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout
+    assert got.endswith("+dirty") == bool(status.strip())   # a changed, new or deleted file, not an ignored one
+
+
+def test_commit_names_the_files_not_a_stale_head(tmp_path, monkeypatch):
+    """record.commit in a scratch repository: HEAD while the files are HEAD's; "+dirty" once a tracked file
+    changes or an untracked one appears (ignored ones do not count); a checkout whose HEAD stayed behind (the
+    device tool's copy) names the commit FP8NOW_COMMIT claims only where that commit's tree is the files'."""
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (tmp_path / ".gitignore").write_text("out/\n")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "first")
+    first = git("rev-parse", "--short", "HEAD")
+    monkeypatch.delenv(record.CLAIM, raising=False)
+    cwd = str(tmp_path)
+    assert record.commit(cwd) == first and record.tree(cwd) == git("rev-parse", "HEAD^{tree}")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "r.json").write_text("{}")                       # ignored: still clean
+    assert record.commit(cwd) == first
+    (tmp_path / "b.py").write_text("y = 2\n")                            # untracked: not the commit's files
+    assert record.commit(cwd) == first + "+dirty"
+    (tmp_path / "a.py").write_text("x = 3\n")
+    git("add", "-A")
+    git("commit", "-qm", "second")                                       # the files of a later commit ...
+    second, tree = git("rev-parse", "--short", "HEAD"), git("rev-parse", "HEAD^{tree}")
+    git("reset", "-q", "--soft", first)                                  # ... in a checkout whose HEAD is behind
+    assert record.commit(cwd) == first + "+dirty"
+    monkeypatch.setenv(record.CLAIM, f"{second} {tree}")
+    assert record.commit(cwd) == second
+    monkeypatch.setenv(record.CLAIM, f"{second} {git('rev-parse', first + '^{tree}')}")   # a claim that is wrong
+    assert record.commit(cwd) == first + "+dirty"
