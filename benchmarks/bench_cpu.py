@@ -114,12 +114,11 @@ def _meta(args) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
+    import record   # the commit whose files run (record.commit: "+dirty" where they are no commit's)
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": None, "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "threads": torch.get_num_threads(), "load_average": os.getloadavg(),
-            "torch": torch.__version__, "triton": triton_version, "commit": commit,
+            "torch": torch.__version__, "triton": triton_version, "commit": record.commit(),
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
 
 

@@ -9,6 +9,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -30,7 +31,6 @@ def _git(*args: str, cwd: str = HERE, env: dict | None = None) -> str | None:
 def tree(cwd: str = HERE) -> str | None:
     """The git tree hash of the checkout's files as they are (tracked and untracked, less the ignored ones),
     through a scratch index: the `<commit>^{tree}` of the commit whose code this is, whatever HEAD says."""
-    import tempfile
     with tempfile.TemporaryDirectory() as scratch:
         env = dict(os.environ, GIT_INDEX_FILE=os.path.join(scratch, "index"))
         top = _git("rev-parse", "--show-toplevel", cwd=cwd)
