@@ -42,7 +42,7 @@ import torch
 
 import record
 from bench_linear import TORCHAO_ACCUM
-from timing import kernels_of
+from timing import enqueue_ms, host_hotspots, kernels_of
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -96,7 +96,8 @@ KERNEL_KINDS = (
 
 def kernel_times(fn) -> dict:
     """{"kernels": GPU µs per call of fn per kernel family, and the 8 longest kernels} (torch.profiler):
-    where the time of a prefill or decode row goes."""
+    where the time of a prefill or decode row goes; "host": the host's ms to enqueue one call, and its Python
+    hotspots (timing.enqueue_ms, host_hotspots: a host-bound row's enqueue time is near its wall time)."""
     kinds: dict[str, float] = {}
     top = []
     for key, us in kernels_of(fn):
@@ -106,7 +107,8 @@ def kernel_times(fn) -> dict:
         top.append((us, key))
     top.sort(reverse=True)
     return {"kernels": dict(kinds={k: round(v, 1) for k, v in kinds.items()},
-                            top=[dict(name=n, us=round(t, 1)) for t, n in top[:8]])}
+                            top=[dict(name=n, us=round(t, 1)) for t, n in top[:8]]),
+            "host": dict(enqueue_ms=round(enqueue_ms(fn), 3), top=host_hotspots(fn))}
 
 
 def with_table(loader, **fields):

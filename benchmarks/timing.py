@@ -8,6 +8,8 @@ were timed the same way.
   separate copies: a weight shared by the calls of a graph would stay in L2 and read faster than HBM.
 - `event_ms`: median of CUDA-event times of `fn` (for graphs the caller built).
 - `kernels_of`: the CUDA kernels a call launches and their GPU time (torch.profiler).
+- `enqueue_ms`, `host_hotspots`: the host's side of a call: its wall time to return (the GPU idle before it, no
+  sync inside), and the Python functions that time goes to (cProfile, self time).
 """
 
 from __future__ import annotations
@@ -108,6 +110,42 @@ def host_ms(fn: Callable[[], Any], reps: int = 3) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return 1e3 * sorted(times)[len(times) // 2]
+
+
+def enqueue_ms(fn: Callable[[], Any], reps: int = 3) -> float:
+    """Median host ms from the call of `fn` to its return, the GPU idle at the start and drained after: where
+    this is near the call's CUDA-event time, the host sets the pace (a full launch queue also blocks the host,
+    so a GPU-bound call reads near its GPU time too: compare with the kernels' sum)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
+def host_hotspots(fn: Callable[[], Any], top: int = 12) -> list[dict]:
+    """The `top` Python functions by self time in one call of `fn` under cProfile (its overhead inflates
+    Python-heavy code: a ranking, not a timing): [{"fn": "file:line(name)", "ms", "calls"}]."""
+    import cProfile
+    import os
+    import pstats
+
+    drain = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)   # CPU calls: nothing queued
+    fn()
+    drain()
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    drain()
+    stats = pstats.Stats(prof).stats   # (file, line, name) -> (calls, ncalls, self s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"fn": f"{os.path.basename(f)}:{line}({name})", "ms": round(1e3 * v[2], 2), "calls": v[1]}
+            for (f, line, name), v in rows]
 
 
 def event_ms(fn: Callable[[], Any], reps: int = 11) -> float:

@@ -147,3 +147,34 @@ def test_commit_names_the_files_not_a_stale_head(tmp_path, monkeypatch):
     assert record.commit(cwd) == second
     monkeypatch.setenv(record.CLAIM, f"{second} {git('rev-parse', first + '^{tree}')}")   # a claim that is wrong
     assert record.commit(cwd) == first + "+dirty"
+
+
+def _spin(n: int) -> int:
+    total = 0
+    for i in range(n):
+        total += i * i
+    return total
+
+
+def _light() -> int:
+    return 1
+
+
+def test_host_hotspots_rank_the_functions_that_take_the_hosts_time():
+    rng = random.Random(11)
+    heavy = rng.randint(200_000, 300_000)
+    calls = {"n": 0}
+
+    def call():
+        calls["n"] += 1
+        _spin(heavy)
+        for _ in range(rng.randint(3, 9)):
+            _light()
+
+    top = timing.host_hotspots(call, top=5)
+    assert calls["n"] == 2                      # one warm-up call, one profiled
+    assert len(top) == 5
+    assert top[0]["fn"].endswith("(_spin)") and top[0]["calls"] == 1
+    assert top[0]["ms"] > 0 and top[0]["ms"] == max(t["ms"] for t in top)
+    light = [t for t in top if t["fn"].endswith("(_light)")]
+    assert not light or light[0]["ms"] < top[0]["ms"]

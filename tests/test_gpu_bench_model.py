@@ -37,7 +37,10 @@ def test_bench_model_tiny_on_cuda_graph_decode(tmp_path):
             assert d["mode"] == "graph" and d["tokens_per_s"] > 0 and d["peak_gb"] > 0
             assert d["rel_to_eager"] < 1e-3, d      # the replayed step computes what the eager step does
             assert d["kernels"]["kinds"] and d["kernels"]["top"]
-        assert by[(impl, "prefill", 4)]["kernels"]["kinds"]
+        pre = by[(impl, "prefill", 4)]
+        assert pre["kernels"]["kinds"]
+        assert pre["host"]["enqueue_ms"] > 0 and len(pre["host"]["top"]) == 12
+        assert all(h["calls"] >= 1 and h["ms"] >= 0 for h in pre["host"]["top"])
     for impl in ("fp8now-channel", "fp8now-block"):
         acc = by[(impl, "accuracy", 4)]
         assert 1e-5 < acc["kl"] < 1.0 and 0.5 <= acc["top1"] <= 1.0
