@@ -74,7 +74,11 @@ def torchao_loader(fast_accum: bool, compiled: str | None = None):
         if compiled == "model":
             model.forward = torch.compile(model.forward)
         elif compiled == "regional":
-            for layer in model.model.layers:
+            # a layer's int attributes (layer_idx, read by the cache update) may be guarded per layer: let every
+            # layer have its own compile rather than fall back to eager past dynamo's default 8
+            layers = model.model.layers
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(layers))
+            for layer in layers:
                 layer.compile()
         return model, None
     return load
