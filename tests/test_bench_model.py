@@ -3,6 +3,7 @@ subprocesses (a tiny Llama preset written with save_pretrained, a tiny Qwen3-MoE
 and the split run through main() in this process, plus in-process checks of the decode step against a full
 forward, of the presets' shapes and of the ratio table."""
 
+import importlib.metadata
 import json
 import math
 import os
@@ -30,6 +31,8 @@ def check_rows(rows: list[dict], impls: set[str], model: str) -> None:
     """Every row has the fields; accuracy, decode and load rows hold sane figures."""
     assert not [r for r in rows if "error" in r]
     assert all(FIELDS <= set(r) and r["model"] == model for r in rows)
+    # each row names the transformers whose attention path it ran (the installed distribution's version)
+    assert {r["transformers"] for r in rows} == {importlib.metadata.version("transformers")}
     assert {r["impl"] for r in rows} == impls
     for impl in impls:
         mine = {(r["phase"], r["batch"], r["seq"]): r for r in rows if r["impl"] == impl}

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import transformers
 from torch import nn
 
 from .bench_args import Options
@@ -176,7 +177,8 @@ def measure(model_name: str, folder: Path, impls: dict[str, Loader], device: tor
     later = [p for p in opts.phases if p not in ("load", "reload")]
     for name in sorted(impls, key=lambda n: n != "bf16"):
         loader = impls[name]
-        base = {"model": model_name, "impl": name}
+        # transformers' version with every row: its attention path (e.g. the decode step's GQA copy) differs by version
+        base = {"model": model_name, "impl": name, "transformers": transformers.__version__}
         if alone is not None and ("load" in opts.phases or "reload" in opts.phases):
             log(f"{name}: load alone in a fresh process")
             for row in alone(name, "reload" in opts.phases and name.startswith("fp8now")):
