@@ -145,6 +145,8 @@ def implementations(args) -> dict:
     if args.producers:    # the RMSNorm and SiLU*up producers' kernels off (on by default: kernels.plan.PRODUCERS)
         impls.update({f"fp8now-{s}-noprod": with_table(fp8now_loader(s), producer_kernels=()) for s in schemes})
         impls.update({f"fp8now-{s}-nohead": with_table(fp8now_loader(s), head_norm_kernel=False) for s in schemes})
+        # and SiLU*up's decode rows split over programs (off by default: Table.silu_split_max_m)
+        impls.update({f"fp8now-{s}-split": with_table(fp8now_loader(s), silu_split_max_m=16) for s in schemes})
     if args.unstacked:    # one GEMV launch per layer at one token (on by default: q/k/v and gate/up in one each)
         impls.update({f"fp8now-{s}-unstacked": with_table(fp8now_loader(s), stacked_gemv=False) for s in schemes})
     if args.torchao:
@@ -201,8 +203,9 @@ def main() -> None:
                          "token (on by default: one for q/k/v and one for gate/up, fp8now.layers.stacked)")
     ap.add_argument("--producers", action="store_true",
                     help="also fp8now-<scheme>-noprod: the RMSNorm and SiLU*up producer kernels off (on by default), "
-                         "and fp8now-<scheme>-nohead: Qwen3's per-head norms in transformers' ops "
-                         "(Table.head_norm_kernel)")
+                         "fp8now-<scheme>-nohead: Qwen3's per-head norms in transformers' ops "
+                         "(Table.head_norm_kernel), and fp8now-<scheme>-split: SiLU*up's rows of up to 16 tokens "
+                         "split over programs (Table.silu_split_max_m, off by default)")
     ap.add_argument("--impls", default="", help="only these implementations, e.g. bf16,fp8now-channel")
     ap.add_argument("--profile", action="store_true", help="GPU time per kernel family of every prefill and "
                     "decode row (torch.profiler; CUDA only)")

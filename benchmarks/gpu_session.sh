@@ -39,8 +39,9 @@
 # load: bench_model's load and reload rows (LOAD_MODELS, default llama3.1-8b; LOAD_ARGS, e.g. --cold) ->
 # $OUT/load_$GPU.json; LOAD_COLD_TOO=1 then adds the same models' cold load rows to that file.
 # recheck: the GPU tests of the reload kernels and of the producers (their compile test included), then bench_model's
-# prefill and decode rows of llama3.1-8b and qwen3-30b-a3b, producers on (the default) and off, and for Qwen3 its
-# per-head norms' kernel off (-nohead) -> $OUT/model_$GPU.json (~4-5 min).
+# prefill and decode rows of llama3.1-8b and qwen3-30b-a3b, producers on (the default) and off, for Llama its SiLU*up
+# rows split over programs at decode sizes (-split, off by default), and for Qwen3 its per-head norms' kernel off
+# (-nohead) -> $OUT/model_$GPU.json (~4-5 min).
 # TRANSFORMERS_WHEEL  a transformers wheel carried along (e.g. .whl-tf/transformers-5.25.0-py3-none-any.whl; .whl-tf/ is
 #                  git-ignored: `pip download --no-deps -d .whl-tf transformers==5.25.0`, carry=[".whl", ".whl-tf"]), put
 #                  ahead of the machine's own for the whole call: the decode step's attention differs by version (5.17,
@@ -124,8 +125,9 @@ if has recheck; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" tests/test_gpu_reload.py tests/test_triton_peaks.py \
     tests/test_gpu_producers.py 2>&1 | tee "$OUT/pytest_recheck.log" | tail -8 || rc=1
   for m in llama3.1-8b qwen3-30b-a3b; do
-    timeout 240 python3 benchmarks/bench_model.py $m --producers \
-      --impls bf16,fp8now-channel,fp8now-channel-noprod$([ $m = qwen3-30b-a3b ] && echo ,fp8now-channel-nohead) \
+    timeout 260 python3 benchmarks/bench_model.py $m --producers \
+      --impls bf16,fp8now-channel,fp8now-channel-noprod$([ $m = qwen3-30b-a3b ] && echo ,fp8now-channel-nohead \
+      || echo ,fp8now-channel-split) \
       --phases accuracy,prefill,decode --profile --workdir /tmp/fp8now-bench --out "$OUT/model_$GPU.json" \
       $([ $m = qwen3-30b-a3b ] && echo --add) 2>&1 | grep -v "UserWarning\|warn_once" | tail -12 || rc=1
   done

@@ -73,6 +73,11 @@ class Table:
     # same config and bytes). On: Llama-3.1-8B's one-token decode on an H100 ran 1.34x -> 1.44x bf16 in one call
     # (BENCHMARKS.md "Whole model"); batches of 2+ rows do not stack.
     stacked_gemv: bool = True
+    # SiLU*up -> FP8 per token at up to this many rows (at most triton_silu_mul.SPLIT_ROWS): each row split over
+    # 2048-column programs that meet in a ticket (the same bytes; fp8now.layers.producers). One row is otherwise
+    # one program, bound by one SM's arithmetic: 8.6 µs for Llama-3.1-8B's 14336-wide row on the H100, where its
+    # bytes take under 1 µs. 0: off, until the GPU measures it (bench_model `fp8now-<s>-split` under --producers).
+    silu_split_max_m: int = 0
 
 
 # Device class -> table. Only "cuda-fp8" runs the triton backend; its numbers come from the H200.

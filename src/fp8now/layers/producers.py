@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..kernels import triton_norm
-from ..kernels.triton_silu_mul import silu_mul
+from ..kernels.triton_silu_mul import silu_mul, split_counters, splits_row
 from . import stacked
 from .linear import Fp8Linear
 
@@ -119,6 +119,8 @@ class FusedGatedMLP(nn.Module):
         self.down_proj, self.act_fn = mlp.down_proj, mlp.act_fn
         self.original = type(mlp).__name__
         self.original_forward = type(mlp).forward
+        # the split rows' amax and ticket counters (zero between launches; moved with the module, not saved)
+        self.register_buffer("split_counters", split_counters(mlp.down_proj.weight.device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         down = self.down_proj
@@ -131,11 +133,15 @@ class FusedGatedMLP(nn.Module):
         path = down.planned(g2.shape[0], True)
         if path.quant != "silu-mul":
             return down(silu_mul(g2, u2).view(g.shape))
-        q, s = silu_mul(g2, u2, path.act)
+        m, i = g2.shape
+        split = m <= down.table.silu_split_max_m and splits_row(m, i, path.act) and self.split_counters.device == g2.device
+        q, s = silu_mul(g2, u2, path.act, self.split_counters if split else None)
         return down.forward_fp8(q, s, x.dtype).view(*g.shape[:-1], down.out_features)
 
     def extra_repr(self) -> str:
-        return f"as {self.original}, SiLU(gate) * up in one kernel"
+        split = self.down_proj.table.silu_split_max_m
+        return (f"as {self.original}, SiLU(gate) * up in one kernel"
+                + (f", rows split over programs up to {split} tokens" if split else ""))
 
 
 def _feedable(layer: nn.Module | None) -> bool:
