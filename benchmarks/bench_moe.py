@@ -18,7 +18,7 @@ implementation off by more than REL_MAX, or one that raises, is a row with `erro
 Timing (GPU): `ms` is GPU time per call from one CUDA graph of `copies` calls, each on its own copy of the
 weights (timing.GraphTimer; the same copies for every implementation of a shape, sized so the copies fit
 --mem-gb); `host_ms` the host-launched call with L2 flushed (timing.l2_flushed_ms). Floors: the FP8 weight
-bytes the routing touches (experts hit x their w13 and w2) and their time at HBM_TBPS.
+bytes the routing touches (experts hit x their w13 and w2) and their time at the GPU's HBM rate (`hbm_tbps`).
 
 CUDA: `PYTHONPATH=src python benchmarks/bench_moe.py [--shapes mixtral-8x7b --add] [--tokens 1,8]`
 (-> results/moe_h200.json; `--add` keeps its rows of the other shapes). CPU smoke run (tiny shapes,
@@ -40,7 +40,15 @@ from moe_layers import family_experts, implementations, materialized, other_impl
 from timing import GraphTimer, copies_for, host_ms, l2_flushed_ms  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-HBM_TBPS = 4.27          # the H200's HBM bandwidth, TB/s
+# HBM rate of the floors, TB/s: the fastest device copy measured on each GPU (H200 4.27, H100 ~3.0); others (the CPU
+# smoke runs) the H200's
+HBM_TBPS = {"h100": 3.0, "h200": 4.27}
+
+
+def hbm_tbps(device: str) -> float:
+    """The floors' HBM rate on `device`'s GPU (HBM_TBPS by name, else the H200's)."""
+    name = torch.cuda.get_device_name().lower() if device != "cpu" and torch.cuda.is_available() else ""
+    return next((rate for key, rate in HBM_TBPS.items() if key in name), HBM_TBPS["h200"])
 REL_MAX = {"bf16": 0.02, "fp8": 0.1}   # loose: a broken kernel is off by ~1, FP8 rounding by a few %
 TOKENS = (1, 8, 64, 4096, 16384)
 SCHEMES = ("tensor", "channel", "block")
@@ -111,6 +119,7 @@ def run(args) -> list[dict]:
     dev = torch.device(args.device)
     gpu = dev.type == "cuda"
     table = SHAPES if gpu else CPU_SHAPES
+    rate = hbm_tbps(args.device)
     info, rows = record.meta(args.device), []
     if args.add:
         info, rows = added_to(args.out, info, args.shapes or list(table))
@@ -142,7 +151,7 @@ def run(args) -> list[dict]:
                 ref = experts[0](x, index, weights)   # transformers' default implementation
             for name, (copies, call) in impls.items():
                 row = dict(shape=shape, tokens=tokens, impl=name, ms=None, host_ms=None, rel=None, experts_hit=hit,
-                           fp8_bytes=touched, floor_ms=touched / (HBM_TBPS * 1e12) * 1e3, copies=n)
+                           fp8_bytes=touched, floor_ms=touched / (rate * 1e12) * 1e3, hbm_tbps=rate, copies=n)
                 if name == "bf16-transformers":
                     row["experts_implementation"] = default
                 rows.append(row)

@@ -1,8 +1,8 @@
 """The triton experts backend's paths against each other, one MoE layer, on the GPU: what the plan runs now,
 what it ran before issue 38 (sorted path at every size, 4-warp 32x128 / 64x128 tiles, the torch alignment
 above 4096 slots), and one change at a time between them (the sorted path on the direct path's tiles, and up to
-DIRECT_TRIED slots the direct kernels on the sorted path's; the torch alignment; 4 warps), so each change of the
-plan has its own measured effect.
+DIRECT_TRIED slots the direct kernels on the sorted path's; the torch alignment and the other Triton one; 4 warps),
+so each change of the plan has its own measured effect.
 
 `ms`: GPU time from one CUDA graph over separate weight copies (timing.GraphTimer, as bench_moe.py);
 `host_ms`: host-launched calls with L2 flushed (the eager prefill's case: the torch alignment is ~20
@@ -24,7 +24,7 @@ import sys
 import torch
 
 import record
-from bench_moe import CPU_SHAPES, HBM_TBPS, SHAPES, touched_fp8_bytes
+from bench_moe import CPU_SHAPES, SHAPES, hbm_tbps, touched_fp8_bytes
 from moe_layers import randn, route
 from timing import GraphTimer, copies_for, host_ms, l2_flushed_ms
 
@@ -45,6 +45,11 @@ def variants(scheme: str, t: int, k: int, e: int, tiles: tuple = ()) -> dict:
         out["sorted, same tiles"] = dataclasses.replace(now, kernel="sorted", align="triton")
     else:
         out["align=torch"] = dataclasses.replace(now, align="torch")
+        # the other Triton alignment: the one-program counting sort took 37 µs a call at 512 slots inside
+        # Qwen3's B = 64 decode step on the H100 (08a04df's profile); the chunked one spreads it over programs
+        other = {"triton": "triton-chunked", "triton-chunked": "triton"}.get(now.align)
+        if other is not None and (other == "triton-chunked" or t * k <= 4 * 4096):
+            out[f"align={other}"] = dataclasses.replace(now, align=other)
         if t * k <= DIRECT_TRIED:   # around the plan's direct bound (plan.MoeTable.direct_max_tokens)
             out["direct, same tiles"] = dataclasses.replace(now, kernel="direct", align="none")
     if now.num_warps != 4:
@@ -64,7 +69,7 @@ def run(args) -> list[dict]:
     from fp8now.kernels.triton_moe import experts_forward
     from fp8now.layers.moe_triton import expert_gate, expert_weights
 
-    rows, gpu = [], args.device == "cuda"
+    rows, gpu, rate = [], args.device == "cuda", hbm_tbps(args.device)
     for shape in args.shapes:
         _, e, k, h, i = (SHAPES if gpu else CPU_SHAPES)[shape]
         g = torch.Generator(device=args.device).manual_seed(e * 7 + h)
@@ -94,7 +99,7 @@ def run(args) -> list[dict]:
                                      same_bytes=bool(torch.equal(y, ref)),
                                      ms=timer.ms(layers, call) if gpu else host_ms(eager, reps=1),
                                      host_ms=l2_flushed_ms(eager, rep_ms=args.rep_ms) if gpu else None,
-                                     experts_hit=hit, floor_ms=touched / (HBM_TBPS * 1e12) * 1e3, copies=n))
+                                     experts_hit=hit, floor_ms=touched / (rate * 1e12) * 1e3, hbm_tbps=rate, copies=n))
                     r = rows[-1]
                     print(f"{shape} {scheme} T={t:>5} {label:>20}: {r['ms'] * 1e3:8.1f} us {'GPU' if gpu else 'wall'}, "
                           f"{(r['host_ms'] or 0) * 1e3:8.1f} us host-launched, floor {r['floor_ms'] * 1e3:6.1f} us, "

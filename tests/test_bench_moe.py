@@ -97,6 +97,8 @@ def test_cpu_smoke_run_writes_every_case(tmp_path):
         hit = case["bf16-grouped_mm"]["experts_hit"]
         assert hit == k if tokens == 1 else k <= hit <= min(e, tokens * k)
         assert case["bf16-grouped_mm"]["fp8_bytes"] == hit * 3 * h * i
+        # no GPU here: the floors take the H200's HBM rate (on a GPU its own: 3.0 TB/s on an H100)
+        assert case["bf16-grouped_mm"]["hbm_tbps"] == 4.27
         assert case["bf16-grouped_mm"]["floor_ms"] == pytest.approx(hit * 3 * h * i / 4.27e9)
     for r in rows:                                         # an implementation that cannot run is a row
         if "error" in r:
@@ -104,19 +106,22 @@ def test_cpu_smoke_run_writes_every_case(tmp_path):
 
 
 def test_tune_moe_smoke_run_compares_each_change(tmp_path):
-    """benchmarks/tune_moe.py on the CPU (interpreter, one tiny shape, one token: the direct path's size): the plan
+    """benchmarks/tune_moe.py on the CPU (interpreter, one tiny shape): at one token (the direct path's size) the plan
     now, the plan before issue 38 and the sorted path on the direct path's tiles, all three with the plan's bytes,
-    each timed."""
+    each timed; at two tokens (the sorted path) also the other alignments, the chunked Triton one included."""
     out = tmp_path / "tune.json"
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"), TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "tune_moe.py"), "--device", "cpu", "--shapes",
-                           "qwen3-tiny", "--tokens", "1", "--out", str(out)], capture_output=True, text=True,
+                           "qwen3-tiny", "--tokens", "1,2", "--out", str(out)], capture_output=True, text=True,
                           env=env, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["meta"]["gpu"] == "cpu" and "tune_moe.py" in data["meta"]["command"]
     got = {(r["tokens"], r["variant"]): r for r in data["rows"]}
-    assert set(got) == {(1, v) for v in ("now", "before", "sorted, same tiles")}
+    assert {v for t, v in got if t == 1} == {"now", "before", "sorted, same tiles"}
+    assert {"now", "align=torch", "align=triton-chunked", "direct, same tiles"} <= {v for t, v in got if t == 2}
     for (t, v), r in got.items():
         assert r["same_bytes"] and r["ms"] > 0 and r["scheme"] == "channel"
-        assert ("triton-moe-direct" in r["path"]) == (v == "now") and ("align=triton," in r["path"]) == (v != "now")
+        if t == 1:
+            assert ("triton-moe-direct" in r["path"]) == (v == "now") and ("align=triton," in r["path"]) == (v != "now")
+    assert "align=triton," in got[(2, "now")]["path"] and "align=triton-chunked," in got[(2, "align=triton-chunked")]["path"]
