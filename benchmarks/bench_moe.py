@@ -43,18 +43,18 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # HBM rate of the floors, TB/s: the fastest device copy measured on each GPU (H200 4.27, H100 ~3.0); others (the CPU
 # smoke runs) the H200's
 HBM_TBPS = {"h100": 3.0, "h200": 4.27}
-
-
-def hbm_tbps(device: str) -> float:
-    """The floors' HBM rate on `device`'s GPU (HBM_TBPS by name, else the H200's)."""
-    name = torch.cuda.get_device_name().lower() if device != "cpu" and torch.cuda.is_available() else ""
-    return next((rate for key, rate in HBM_TBPS.items() if key in name), HBM_TBPS["h200"])
 REL_MAX = {"bf16": 0.02, "fp8": 0.1}   # loose: a broken kernel is off by ~1, FP8 rounding by a few %
 TOKENS = (1, 8, 64, 4096, 16384)
 SCHEMES = ("tensor", "channel", "block")
 # name -> (transformers family, experts E, top-k, hidden H, expert intermediate I)
 SHAPES = {"qwen3-30b-a3b": ("qwen3_moe", 128, 8, 2048, 768), "mixtral-8x7b": ("mixtral", 8, 2, 4096, 14336)}
 CPU_SHAPES = {"qwen3-tiny": ("qwen3_moe", 16, 4, 64, 32), "mixtral-tiny": ("mixtral", 4, 2, 128, 96)}
+
+
+def hbm_tbps(device: str) -> float:
+    """The floors' HBM rate on `device`'s GPU (HBM_TBPS by name, else the H200's)."""
+    name = torch.cuda.get_device_name().lower() if device != "cpu" and torch.cuda.is_available() else ""
+    return next((rate for key, rate in HBM_TBPS.items() if key in name), HBM_TBPS["h200"])
 
 
 def rel(y: torch.Tensor, ref: torch.Tensor) -> float:

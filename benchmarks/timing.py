@@ -8,8 +8,8 @@ were timed the same way.
   separate copies: a weight shared by the calls of a graph would stay in L2 and read faster than HBM.
 - `event_ms`: median of CUDA-event times of `fn` (for graphs the caller built).
 - `kernels_of`: the CUDA kernels a call launches and their GPU time (torch.profiler).
-- `enqueue_ms`, `host_hotspots`: the host's side of a call: its wall time to return (the GPU idle before it, no
-  sync inside), and the Python functions that time goes to (cProfile, self time).
+- `host_ms(fn, drain=torch.cuda.synchronize)`, `host_hotspots`: the host's side of a GPU call: its wall time to
+  return with the GPU idle before it (no sync inside), and the Python functions that time goes to (cProfile).
 """
 
 from __future__ import annotations
@@ -101,40 +101,32 @@ def l2_flushed_ms(fn: Callable[[], Any], warmup_ms: int = 5, rep_ms: int = 25) -
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def host_ms(fn: Callable[[], Any], reps: int = 3) -> float:
-    """Median wall ms of `fn` after one warm-up call (the CPU smoke runs: no GPU to time)."""
+def host_ms(fn: Callable[[], Any], reps: int = 3, drain: Callable[[], Any] | None = None) -> float:
+    """Median wall ms of `fn` after one warm-up call (the CPU smoke runs: no GPU to time). `drain` (e.g.
+    torch.cuda.synchronize) runs after the warm-up and after every call, outside the timing, so each call starts
+    with nothing queued: its time is then the host's to enqueue it. Where that is near the call's CUDA-event time,
+    the host sets the pace (a full launch queue also blocks the host: compare with the kernels' sum)."""
+    drain = drain or (lambda: None)
     fn()
+    drain()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+        drain()
     return 1e3 * sorted(times)[len(times) // 2]
 
 
-def enqueue_ms(fn: Callable[[], Any], reps: int = 3) -> float:
-    """Median host ms from the call of `fn` to its return, the GPU idle at the start and drained after: where
-    this is near the call's CUDA-event time, the host sets the pace (a full launch queue also blocks the host,
-    so a GPU-bound call reads near its GPU time too: compare with the kernels' sum)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
-    return 1e3 * sorted(times)[len(times) // 2]
-
-
-def host_hotspots(fn: Callable[[], Any], top: int = 12) -> list[dict]:
+def host_hotspots(fn: Callable[[], Any], top: int = 12, drain: Callable[[], Any] | None = None) -> list[dict]:
     """The `top` Python functions by self time in one call of `fn` under cProfile (its overhead inflates
-    Python-heavy code: a ranking, not a timing): [{"fn": "file:line(name)", "ms", "calls"}]."""
+    Python-heavy code: a ranking, not a timing), after a warm-up call; `drain` as for `host_ms`:
+    [{"fn": "file:line(name)", "ms", "calls"}]."""
     import cProfile
     import os
     import pstats
 
-    drain = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)   # CPU calls: nothing queued
+    drain = drain or (lambda: None)
     fn()
     drain()
     prof = cProfile.Profile()

@@ -31,6 +31,7 @@ from timing import GraphTimer, copies_for, host_ms, l2_flushed_ms
 # The table before issue 38: no direct kernels, 4 warps on the 32x128 and 64x128 tiles, M-blocks launched first.
 BEFORE_ROWS = ((16, 16, 64, 4, 4), (64, 32, 128, 4, 4), (256, 64, 128, 4, 4), (None, 128, 128, 8, 4))
 DIRECT_TRIED = 512   # routed slots up to which the direct kernels are timed where the plan runs the sorted path
+ONE_PROGRAM_TRIED = 16384   # routed slots up to which the one-program alignment is timed where the plan chunks
 
 
 def variants(scheme: str, t: int, k: int, e: int, tiles: tuple = ()) -> dict:
@@ -48,7 +49,7 @@ def variants(scheme: str, t: int, k: int, e: int, tiles: tuple = ()) -> dict:
         # the other Triton alignment: the one-program counting sort took 37 µs a call at 512 slots inside
         # Qwen3's B = 64 decode step on the H100 (08a04df's profile); the chunked one spreads it over programs
         other = {"triton": "triton-chunked", "triton-chunked": "triton"}.get(now.align)
-        if other is not None and (other == "triton-chunked" or t * k <= 4 * 4096):
+        if other is not None and (other == "triton-chunked" or t * k <= ONE_PROGRAM_TRIED):
             out[f"align={other}"] = dataclasses.replace(now, align=other)
         if t * k <= DIRECT_TRIED:   # around the plan's direct bound (plan.MoeTable.direct_max_tokens)
             out["direct, same tiles"] = dataclasses.replace(now, kernel="direct", align="none")

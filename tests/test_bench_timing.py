@@ -7,6 +7,7 @@ import math
 import os
 import random
 import sys
+import time
 
 import pytest
 import torch
@@ -80,6 +81,15 @@ def test_host_ms_is_the_median_of_the_timed_calls():
         seen.append(1)
     ms = timing.host_ms(fn, reps=5)
     assert len(seen) == 6 and 0 <= ms < 1000
+
+
+def test_host_ms_drains_after_every_call_outside_the_timing():
+    """The drain (a GPU sync in bench_model) runs after the warm-up and after each timed call, and its time is not
+    the call's: a 60 ms drain beside a call of no work."""
+    order = []
+    ms = timing.host_ms(lambda: order.append("call"), reps=3, drain=lambda: (order.append("drain"), time.sleep(0.06)))
+    assert order == ["call", "drain"] * 4
+    assert 0 <= ms < 30
 
 
 def test_results_file_holds_meta_and_rows(tmp_path):

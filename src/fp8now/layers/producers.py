@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..kernels import triton_norm
-from ..kernels.triton_silu_mul import silu_mul, split_counters, splits_row
+from ..kernels.triton_silu_mul import silu_mul, split_counters
 from . import stacked
 from .linear import Fp8Linear
 
@@ -133,8 +133,8 @@ class FusedGatedMLP(nn.Module):
         path = down.planned(g2.shape[0], True)
         if path.quant != "silu-mul":
             return down(silu_mul(g2, u2).view(g.shape))
-        m, i = g2.shape
-        split = m <= down.table.silu_split_max_m and splits_row(m, i, path.act) and self.split_counters.device == g2.device
+        # silu_mul splits the rows it can (triton_silu_mul.splits_row) where handed the counters
+        split = g2.shape[0] <= down.table.silu_split_max_m and self.split_counters.device == g2.device
         q, s = silu_mul(g2, u2, path.act, self.split_counters if split else None)
         return down.forward_fp8(q, s, x.dtype).view(*g.shape[:-1], down.out_features)
 
