@@ -41,7 +41,7 @@
 # recheck: the GPU tests of the reload kernels and of the producers (their compile test included), then bench_model's
 # prefill and decode rows of llama3.1-8b and qwen3-30b-a3b, producers on (the default) and off, for Llama its SiLU*up
 # rows split over programs at decode sizes (-split, off by default), and for Qwen3 its per-head norms' kernel off
-# (-nohead) -> $OUT/model_$GPU.json (~4-5 min).
+# (-nohead) -> $OUT/model_$GPU.json (~4-5 min). RECHECK_TESTS=0 leaves its tests out (a call of the tests phase runs them).
 # TRANSFORMERS_WHEEL  a transformers wheel carried along (e.g. .whl-tf/transformers-5.25.0-py3-none-any.whl; .whl-tf/ is
 #                  git-ignored: `pip download --no-deps -d .whl-tf transformers==5.25.0`, carry=[".whl", ".whl-tf"]), put
 #                  ahead of the machine's own for the whole call: the decode step's attention differs by version (5.17,
@@ -122,7 +122,7 @@ if has load; then   # issue 37: each implementation's load alone (fresh process)
   fi
 fi
 if has recheck; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" tests/test_gpu_reload.py tests/test_triton_peaks.py \
+  [ "${RECHECK_TESTS:-1}" = 0 ] || timeout 200 python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" tests/test_gpu_reload.py tests/test_triton_peaks.py \
     tests/test_gpu_producers.py 2>&1 | tee "$OUT/pytest_recheck.log" | tail -8 || rc=1
   for m in llama3.1-8b qwen3-30b-a3b; do
     timeout 260 python3 benchmarks/bench_model.py $m --producers \
