@@ -157,9 +157,6 @@ def producers():
                     dict(g_ptr=BF16, u_ptr=BF16, q_ptr=FP8, s_ptr=F32),
                     dict(FMAX=E4M3FN.fmax, FLOOR=E4M3FN.min_scale, BLOCK=block, SINGLE=single),
                     dict(num_warps=16 if single else 8))
-    compile_one("silu_mul_split chunks=7", tsm._silu_mul_split_kernel,   # Llama-3.1-8B's 14336-wide rows
-                dict(g_ptr=BF16, u_ptr=BF16, h_ptr=BF16, q_ptr=FP8, s_ptr=F32, cnt_ptr=I32),
-                dict(FMAX=E4M3FN.fmax, FLOOR=E4M3FN.min_scale, CHUNK=2048, CHUNKS=7, ROW=16384), dict(num_warps=8))
 
 
 def moe():

@@ -20,7 +20,7 @@ from fp8now.kernels import triton_decode as td, triton_fp8, triton_gemv as tv, t
 from fp8now.kernels import triton_quant as tq  # noqa: E402
 from fp8now.kernels.plan import QUANT_INSIDE, Table, Weights, plan  # noqa: E402
 from fp8now.kernels.triton_norm import rms_norm  # noqa: E402
-from fp8now.kernels.triton_silu_mul import SPLIT_ROWS, silu_mul, split_counters, splits_row  # noqa: E402
+from fp8now.kernels.triton_silu_mul import silu_mul  # noqa: E402
 from fp8_oracle import exact_product, group_scale, varied  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -216,31 +216,6 @@ def test_silu_mul_kernel_is_act_fn_gate_times_up_and_writes_its_fp8_input(act, i
         assert_bytes_of_the_quantizer(h, q, s, act)
 
 
-@pytest.mark.parametrize("m,i,dtype", [(1, 2049, BF16), (3, 5000, BF16), (SPLIT_ROWS, 4200, FP16), (2, 6144, FP32)])
-def test_silu_mul_split_over_programs_gives_the_whole_rows_bytes(m, i, dtype):
-    """The decode-size SiLU * up with its rows split over 2048-column programs (counters handed in): the FP8
-    bytes and scales of the quantizer applied to the kernel's own product, the same as the one-program rows; the
-    counters are zero again after each launch, so a second call on other data is right too. A NaN in one row
-    makes that row's scale NaN and leaves the other rows' bytes alone."""
-    assert splits_row(m, i, "token") and not splits_row(m, 2048, "token") and not splits_row(SPLIT_ROWS + 1, i, "token")
-    counters = split_counters(DEV)
-    for seed in (i, i + 7):
-        g = varied((m, i), torch.float32, seed=seed, spread=2).to(dtype).to(DEV)
-        u = varied((m, i), torch.float32, seed=seed + 1, spread=2).to(dtype).to(DEV)
-        if m > 2:
-            g[1] = 0.0                                  # an all-zero row: the scale floor
-        q, s = silu_mul(g, u, "token", counters)
-        assert_bytes_of_the_quantizer(silu_mul(g, u), q, s, "token")
-        q1, s1 = silu_mul(g, u, "token")                # one program per row
-        assert torch.equal(q.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s, s1)
-        assert not counters.any()
-    g[0, i // 2] = float("nan")
-    q, s = silu_mul(g, u, "token", counters)
-    assert torch.isnan(s[0]).all() and not torch.isnan(s[1:]).any()
-    assert torch.equal(q[1:].view(torch.uint8), silu_mul(g[1:], u[1:], "token")[0].view(torch.uint8))
-    assert not counters.any()
-
-
 def test_producer_kernels_refuse_bad_input():
     x = torch.ones(2, 128, dtype=BF16, device=DEV)
     with pytest.raises(ValueError, match="share a dtype"):
@@ -253,6 +228,3 @@ def test_producer_kernels_refuse_bad_input():
         silu_mul(x, x[:, :64])
     with pytest.raises(ValueError, match="act must be"):
         silu_mul(x, x, act="row")
-    wide = torch.ones(2, 4096, dtype=BF16, device=DEV)
-    with pytest.raises(ValueError, match="counters must be split_counters"):
-        silu_mul(wide, wide, "token", torch.zeros(32, dtype=torch.int64, device=DEV))

@@ -129,37 +129,3 @@ def test_moving_a_stacked_model_off_the_gpu_frees_its_buffers(folder):
     assert all(m.stack is None and m.backend == "cpu" for m in model.modules() if isinstance(m, Fp8Linear))
     left = torch.cuda.memory_allocated() - start
     assert held > 0 and left < held / 10, (left, held)
-
-
-@pytest.mark.parametrize("mode", ["eager", "graph"])
-@pytest.mark.parametrize("batch", [1, 8])
-def test_split_silu_rows_give_the_same_decode_steps(folder, mode, batch):
-    """Table.silu_split_max_m: the decode steps with SiLU*up's rows split over programs (intermediate 2816: two
-    programs a row) equal the one-program rows' bit for bit, eager and replayed from one CUDA graph; the
-    counters are zero after every step."""
-    outs = []
-    for split in (0, 16):
-        model = load(folder, "channel", Table(silu_split_max_m=split))
-        step = captured(decode_step(model, batch, 16, 512, seed=11, device=torch.device("cuda")), mode,
-                        torch.device("cuda"))
-        outs.append([step().clone() for _ in range(4)])
-        torch.cuda.synchronize()
-        assert not any(layer.mlp.split_counters.any() for layer in model.model.layers)
-    assert all(torch.equal(a, b) and torch.isfinite(a).all() for a, b in zip(*outs))
-
-
-def test_split_silu_kernel_at_llama_width():
-    """The split SiLU*up kernel on Llama-3.1-8B's 14336-wide rows at 1-16 rows: the one-program rows' FP8 bytes
-    and scales, launch after launch on one pair of counters (64 launches queued without a sync between them)."""
-    from fp8now.kernels.triton_silu_mul import silu_mul, split_counters
-    gen = torch.Generator().manual_seed(38)
-    counters = split_counters("cuda")
-    for m in (1, 2, 5, 8, 16):
-        g = (torch.randn(m, 14336, generator=gen) * torch.rand(m, 1, generator=gen) * 8).to(torch.bfloat16).cuda()
-        u = (torch.randn(m, 14336, generator=gen) * 2).to(torch.bfloat16).cuda()
-        want_q, want_s = silu_mul(g, u, "token")
-        outs = [silu_mul(g, u, "token", counters) for _ in range(64)]
-        torch.cuda.synchronize()
-        for q, s in outs:
-            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
-        assert not counters.any()

@@ -243,35 +243,3 @@ def test_a_moe_layers_attention_norm_feeds_its_q_k_v(tmp_path, monkeypatch):
     logits = run(on, ids)
     assert [how for _, _, how in rec.take()].count("rmsnorm") == 2 * 3
     assert all(torch.equal(a, b) for a, b in zip(logits, run(off, ids)))
-
-
-def test_silu_mul_rows_split_over_programs_give_the_same_logits(tmp_path, monkeypatch):
-    """Table.silu_split_max_m: down_proj's FP8 input made by SiLU*up rows split over 2048-column programs
-    (intermediate 2304: two programs a row, the second partial) at the 5-row prefill and the 2-row step; the
-    logits and every GEMM's FP8 input equal those of the one-program rows (the default table), and the split
-    launch ran only where the table asks for it."""
-    from fp8now.layers import producers
-    folder = write_tiny_checkpoint(tmp_path / "wide", "llama", seed=5,
-                                   **dict(SIZES, num_hidden_layers=1, intermediate_size=2304))
-    whole, _ = load(folder, table=Table())
-    split, _ = load(folder, table=Table(silu_split_max_m=16))
-    assert "rows split over programs up to 16 tokens" in repr(split.model.layers[0].mlp)
-    assert "rows split" not in repr(whole.model.layers[0].mlp)
-    calls, real = [], producers.silu_mul
-
-    def spy(gate, up, act=None, counters=None):
-        calls.append((gate.shape[0], act, counters is not None))
-        return real(gate, up, act, counters)
-    monkeypatch.setattr(producers, "silu_mul", spy)
-    rec = Recorder(monkeypatch)
-    ids = torch.randint(0, 512, (1, 7), generator=torch.Generator().manual_seed(4))
-    logits_split, got_split = run(split, ids, step=2), rec.take()
-    assert calls == [(5, "token", True), (2, "token", True)]
-    calls.clear()
-    logits_whole, got_whole = run(whole, ids, step=2), rec.take()
-    assert calls == [(5, "token", False), (2, "token", False)]
-    assert all(torch.equal(a, b) for a, b in zip(logits_split, logits_whole)) and torch.isfinite(logits_split[1]).all()
-    assert len(got_split) == len(got_whole) == 2 * 7
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got_split, got_whole))
-    assert not split.model.layers[0].mlp.split_counters.any()
-    assert "split_counters" not in split.state_dict() and not any("split_counters" in k for k in split.state_dict())

@@ -73,11 +73,6 @@ class Table:
     # same config and bytes). On: Llama-3.1-8B's one-token decode on an H100 ran 1.34x -> 1.44x bf16 in one call
     # (BENCHMARKS.md "Whole model"); batches of 2+ rows do not stack.
     stacked_gemv: bool = True
-    # SiLU*up -> FP8 per token at up to this many rows (at most triton_silu_mul.SPLIT_ROWS): each row split over
-    # 2048-column programs that meet in a ticket (the same bytes; fp8now.layers.producers). One row is otherwise
-    # one program, bound by one SM's arithmetic: 8.6 µs for Llama-3.1-8B's 14336-wide row on the H100, where its
-    # bytes take under 1 µs. 0: off, until the GPU measures it (bench_model `fp8now-<s>-split` under --producers).
-    silu_split_max_m: int = 0
 
 
 # Device class -> table. Only "cuda-fp8" runs the triton backend; its numbers come from the H200.
@@ -245,7 +240,11 @@ class MoeTable:
     # the ids each program scans.
     direct_max_tokens: int = 1
     direct_max_slots: int = 64
-    triton_align_max_slots: int = 4096
+    # The one-program counting sort against the chunked two-launch one (H200, tune_moe, e2fea59): a little ahead up to
+    # 64 slots (Qwen3-30B-A3B 4 / 8 tokens: 69.3 / 109.7 against 70.9 / 111.9 µs), even at 128 (Mixtral-8x7B 64
+    # tokens: 419.0 / 418.7), behind from 512 (Qwen3 64 tokens: 227.1 against 200.1; the 37 µs a call at 512 slots
+    # in its B = 64 decode step on an H100) and far behind at 16384 (1,515 against 496 µs)
+    triton_align_max_slots: int = 128
     a_reuse_bytes: int = A_REUSE_BYTES
 
 

@@ -11,13 +11,6 @@ otherwise a row is computed twice in _CHUNK-column steps (amax pass, then quanti
 again from L2), which on an H100 ran 1.4-1.5x faster than whole rows at 2048 and 16384 rows of Llama's and
 Qwen3's widths (eight warps at low register counts keep several rows in flight per SM, where a whole 14336-wide
 row held one 16-warp program per SM; `git show b6768f4:benchmarks/probe_silu.py`, BENCHMARKS.md "Whole model").
-At decode sizes one row is one program, which spends its time on one SM's arithmetic (an IEEE division for the
-SiLU and another for the quantization, per element: Llama-3.1-8B's 14336-wide row took 8.6 µs on the H100 where
-a 4096-wide RMSNorm row takes 2.8). With `counters` (`split_counters`), such a row is split over _CHUNK-column
-programs instead (`_silu_mul_split_kernel`): each writes its part of h to a scratch row and raises the row's amax
-(an integer max of the bits), then draws a ticket; the program drawing the last one quantizes the whole row from
-h and resets the row's amax and ticket to zero, so the counters are zero again after every launch (keep one per
-layer, as for the decode kernel's tickets: two launches sharing them must not overlap). Same bytes either way.
 Wrapper: check -> allocate -> launch; no host sync.
 """
 
@@ -33,7 +26,6 @@ from .triton_support import require_triton, tl, triton
 _SINGLE_MAX = 16384     # per token: whole rows up to this many elements, else two passes in chunks
 _SINGLE_ROWS = 128      # per token: whole rows only up to this many rows (decode); more rows take the two passes
 _CHUNK = 2048           # columns per step of the two-pass rows, and per program of the bf16 / group kernel
-SPLIT_ROWS = 16         # rows a split launch takes (its counters: an amax and a ticket per row)
 
 
 @triton.jit
@@ -82,47 +74,10 @@ def _silu_mul_token_kernel(g_ptr, u_ptr, q_ptr, s_ptr, I, stride_gm, stride_um, 
         tl.store(s_ptr + row, s)
 
 
-@triton.jit
-def _silu_mul_split_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, cnt_ptr, I, stride_gm, stride_um, stride_hm, stride_qm,
-                           FMAX: tl.constexpr, FLOOR: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
-                           ROW: tl.constexpr):
-    """Program (row, CHUNK columns) of a per-token row split over CHUNKS programs (see the module docstring):
-    h's columns to the scratch row, the row's amax bits by atomic max (cnt[2 row]), a ticket (cnt[2 row + 1]);
-    the last program quantizes the whole row (ROW >= I columns) and zeroes both counters."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
-    mask = cols < I
-    h = _silu_mul(g_ptr + row * stride_gm, u_ptr + row * stride_um, cols, mask, g_ptr)
-    tl.store(h_ptr + row * stride_hm + cols, h.to(h_ptr.dtype.element_ty), mask=mask)   # h holds its dtype's values
-    tl.atomic_max(cnt_ptr + 2 * row, tl.max(abs_bits(h), axis=0), sem="relaxed")
-    tl.debug_barrier()  # every thread's h is written before the ticket is drawn
-    ticket = tl.atomic_add(cnt_ptr + 2 * row + 1, 1, sem="acq_rel")
-    if ticket == CHUNKS - 1:
-        amax = tl.atomic_xchg(cnt_ptr + 2 * row, 0, sem="acq_rel")
-        s = tl.maximum(tl.math.div_rn(as_f32(amax), FMAX), FLOOR, propagate_nan=tl.PropagateNan.ALL)
-        every = tl.arange(0, ROW)
-        whole = tl.load(h_ptr + row * stride_hm + every, mask=every < I, other=0.0, cache_modifier=".cg")
-        tl.store(q_ptr + row * stride_qm + every, to_fp8(tl.math.div_rn(whole.to(tl.float32), s), q_ptr, FMAX),
-                 mask=every < I)
-        tl.store(s_ptr + row, s)
-        tl.atomic_xchg(cnt_ptr + 2 * row + 1, 0)
-
-
-def split_counters(device: torch.device | str) -> torch.Tensor:
-    """The split launch's counters for up to SPLIT_ROWS rows: int32 zeros (as every launch leaves them)."""
-    return torch.zeros(2 * SPLIT_ROWS, dtype=torch.int32, device=device)
-
-
-def splits_row(m: int, i: int, act: str | None) -> bool:
-    """Does a per-token call of m rows of width i split its rows over programs when handed counters?"""
-    return act == "token" and 0 < m <= SPLIT_ROWS and _CHUNK < i <= _SINGLE_MAX
-
-
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, act: str | None = None, counters: torch.Tensor | None = None
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, act: str | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`gate, up [M, I]` -> `h [M, I]` in their dtype (act None), or `(q [M, I] fp8, s [M, 1] | [M, I/128])`
-    for act "token" / "group". `counters` (`split_counters`, zero): per token, rows of up to SPLIT_ROWS rows and
-    more than one _CHUNK of columns are split over programs (`splits_row`); ignored otherwise."""
+    for act "token" / "group"."""
     require_triton()
     if gate.shape != up.shape or gate.dim() != 2 or gate.dtype != up.dtype or gate.dtype not in DTYPES:
         raise ValueError(f"silu_mul: gate and up must be [M, I] of one dtype among {DTYPES}, got "
@@ -149,15 +104,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, act: str | None = None, count
         _silu_mul_kernel[(m, cdiv(i, block))](gate, up, q, q, s, i, gate.stride(0), up.stride(0), 0, q.stride(0),
                                               s.stride(0), QUANT=2, FMAX=E4M3FN.fmax, GROUP_FLOOR=GROUP_AMAX_FLOOR,
                                               BLOCK=block, num_warps=warps_for(block))
-    elif counters is not None and splits_row(m, i, act):
-        if counters.dtype != torch.int32 or counters.device != gate.device or counters.numel() < 2 * m:
-            raise ValueError(f"silu_mul: counters must be split_counters(...) on {gate.device}, got "
-                             f"{counters.dtype} [{counters.numel()}] on {counters.device}")
-        h = torch.empty((m, i), dtype=gate.dtype, device=gate.device)   # scratch: no launch
-        chunks = cdiv(i, _CHUNK)
-        _silu_mul_split_kernel[(m, chunks)](gate, up, h, q, s, counters, i, gate.stride(0), up.stride(0), h.stride(0),
-                                           q.stride(0), FMAX=E4M3FN.fmax, FLOOR=E4M3FN.min_scale, CHUNK=_CHUNK,
-                                           CHUNKS=chunks, ROW=pow2(i), num_warps=8)
     else:
         single = i <= _SINGLE_MAX and m <= _SINGLE_ROWS
         block = pow2(i) if single else min(pow2(i), _CHUNK)

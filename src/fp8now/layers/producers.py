@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..kernels import triton_norm
-from ..kernels.triton_silu_mul import silu_mul, split_counters
+from ..kernels.triton_silu_mul import silu_mul
 from . import stacked
 from .linear import Fp8Linear
 
@@ -119,8 +119,6 @@ class FusedGatedMLP(nn.Module):
         self.down_proj, self.act_fn = mlp.down_proj, mlp.act_fn
         self.original = type(mlp).__name__
         self.original_forward = type(mlp).forward
-        # the split rows' amax and ticket counters (zero between launches; moved with the module, not saved)
-        self.register_buffer("split_counters", split_counters(mlp.down_proj.weight.device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         down = self.down_proj
@@ -133,15 +131,11 @@ class FusedGatedMLP(nn.Module):
         path = down.planned(g2.shape[0], True)
         if path.quant != "silu-mul":
             return down(silu_mul(g2, u2).view(g.shape))
-        # silu_mul splits the rows it can (triton_silu_mul.splits_row) where handed the counters
-        split = g2.shape[0] <= down.table.silu_split_max_m and self.split_counters.device == g2.device
-        q, s = silu_mul(g2, u2, path.act, self.split_counters if split else None)
+        q, s = silu_mul(g2, u2, path.act)
         return down.forward_fp8(q, s, x.dtype).view(*g.shape[:-1], down.out_features)
 
     def extra_repr(self) -> str:
-        split = self.down_proj.table.silu_split_max_m
-        return (f"as {self.original}, SiLU(gate) * up in one kernel"
-                + (f", rows split over programs up to {split} tokens" if split else ""))
+        return f"as {self.original}, SiLU(gate) * up in one kernel"
 
 
 def _feedable(layer: nn.Module | None) -> bool:
