@@ -23,7 +23,10 @@ model's forward compiled in torch.compile's default mode, as torchao recommends 
 of its own, so its decode step is replayed from the same CUDA graph as every other row's; prefill shapes
 compile on their first, untimed call; `-regional`: each decoder layer compiled alone instead, transformers'
 "regional compilation", whose one compile serves every layer of the model: minutes less per shape, at the cost of
-fusions across a layer's edges). `--torchao-compile` picks eager, compiled, both or regional. The bf16
+fusions across a layer's edges). `--torchao-compile` picks eager, compiled, both or regional; `--fp8now-compile`
+adds fp8now's rows under the same compile (`fp8now-<scheme>-compiled`, `-regional`: like for like with torchao's
+compiled peers, inductor fusing transformers' elementwise ops around both; fp8now's producer kernels step aside
+under compile, inductor fusing its activation quantizer instead). The bf16
 logits of the accuracy prompts are kept in --workdir, so a run split with --impls compares every
 implementation against the same reference.
 """
@@ -50,13 +53,33 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # --torchao-compile -> (name suffix, compile: None, "model" or "regional") of the torchao peers
 TORCHAO_COMPILE = {"eager": (("", None),), "compiled": (("-compiled", "model"),),
                    "both": (("", None), ("-compiled", "model")), "regional": (("-regional", "regional"),)}
+# --fp8now-compile -> (name suffix, compile) of the fp8now rows added under torch.compile (the eager ones are always there)
+FP8NOW_COMPILE = {"none": (), "compiled": (("-compiled", "model"),), "regional": (("-regional", "regional"),),
+                  "both": (("-compiled", "model"), ("-regional", "regional"))}
+
+
+def compile_model(model: torch.nn.Module, how: str | None) -> torch.nn.Module:
+    """torch.compile (default mode) of the model's forward (`how` "model") or of each decoder layer alone
+    ("regional": the layers share one compile); None: as it is. It compiles at the first call of each shape,
+    which every measurement leaves untimed."""
+    if how == "model":   # one compile per shape: a run's prefill, decode and accuracy shapes pass dynamo's default 8
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        model.forward = torch.compile(model.forward)
+    elif how == "regional":
+        # a layer's int attributes (layer_idx, read by the cache update) may be guarded per layer: let every
+        # layer have its own compile rather than fall back to eager past dynamo's default 8
+        layers = model.model.layers
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(layers))
+        for layer in layers:
+            layer.compile()
+    elif how is not None:
+        raise ValueError(f"compile_model: how must be None, 'model' or 'regional', got {how!r}")
+    return model
 
 
 def torchao_loader(fast_accum: bool, compiled: str | None = None):
     """bf16 `from_pretrained`, then torchao's float8 dynamic per-row quantize_ of fp8now's target linears
-    (the load time includes both), then torch.compile of the model's forward (`compiled` "model") or of each
-    decoder layer (`compiled` "regional": the layers share one compile); it compiles at the first call of each
-    shape, which every measurement leaves untimed."""
+    (the load time includes both), then `compile_model(model, compiled)`."""
     def load(folder: Path, device: torch.device):
         from torchao.float8.inference import Float8MMConfig
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, quantize_
@@ -71,16 +94,7 @@ def torchao_loader(fast_accum: bool, compiled: str | None = None):
         quantize_(model, Float8DynamicActivationFloat8WeightConfig(
             granularity=PerRow(), mm_config=Float8MMConfig(use_fast_accum=fast_accum)),
             filter_fn=lambda module, fqn: fqn in targets)
-        if compiled == "model":
-            model.forward = torch.compile(model.forward)
-        elif compiled == "regional":
-            # a layer's int attributes (layer_idx, read by the cache update) may be guarded per layer: let every
-            # layer have its own compile rather than fall back to eager past dynamo's default 8
-            layers = model.model.layers
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(layers))
-            for layer in layers:
-                layer.compile()
-        return model, None
+        return compile_model(model, compiled), None
     return load
 
 
@@ -133,6 +147,15 @@ def with_table(loader, **fields):
     return load
 
 
+def with_compile(loader, how: str):
+    """`loader`, then `compile_model(model, how)`."""
+    def load(folder: Path, device: torch.device):
+        model, report = loader(folder, device)
+        return compile_model(model, how), report
+    load.warm = loader.warm
+    return load
+
+
 def implementations(args) -> dict:
     """impl name -> loader, filtered by --impls (an unknown name is an error listing the known ones)."""
     from fp8now.cli.bench_load import bf16_loader, fp8now_loader
@@ -146,10 +169,10 @@ def implementations(args) -> dict:
     if args.producers:    # the RMSNorm and SiLU*up producers' kernels off (on by default: kernels.plan.PRODUCERS)
         impls.update({f"fp8now-{s}-noprod": with_table(fp8now_loader(s), producer_kernels=()) for s in schemes})
         impls.update({f"fp8now-{s}-nohead": with_table(fp8now_loader(s), head_norm_kernel=False) for s in schemes})
-        # and SiLU*up's decode rows split over programs (off by default: Table.silu_split_max_m)
-        impls.update({f"fp8now-{s}-split": with_table(fp8now_loader(s), silu_split_max_m=16) for s in schemes})
     if args.unstacked:    # one GEMV launch per layer at one token (on by default: q/k/v and gate/up in one each)
         impls.update({f"fp8now-{s}-unstacked": with_table(fp8now_loader(s), stacked_gemv=False) for s in schemes})
+    impls.update({f"fp8now-{s}{how}": with_compile(fp8now_loader(s), compiled)
+                  for how, compiled in FP8NOW_COMPILE[args.fp8now_compile] for s in schemes})
     if args.torchao:
         impls.update({f"torchao-row{accum}{how}": torchao_loader(fast, compiled)
                       for how, compiled in TORCHAO_COMPILE[args.torchao_compile]
@@ -195,6 +218,10 @@ def main() -> None:
     ap.add_argument("--torchao-compile", default="both", choices=sorted(TORCHAO_COMPILE),
                     help="the torchao peers eager, under torch.compile (-compiled), both (default), or each "
                          "decoder layer compiled alone (-regional: one compile for all layers)")
+    ap.add_argument("--fp8now-compile", default="none", choices=sorted(FP8NOW_COMPILE),
+                    help="also fp8now's rows under torch.compile: fp8now-<scheme>-compiled (the model's forward), "
+                         "-regional (each decoder layer alone), both, or none (default): like for like with "
+                         "--torchao-compile's peers")
     ap.add_argument("--fast-accum", action="store_true",
                     help="also fp8now-<scheme>-fast: tensor / channel with Fp8Config(fast_accum=True)")
     ap.add_argument("--full", action="store_true",
@@ -204,9 +231,8 @@ def main() -> None:
                          "token (on by default: one for q/k/v and one for gate/up, fp8now.layers.stacked)")
     ap.add_argument("--producers", action="store_true",
                     help="also fp8now-<scheme>-noprod: the RMSNorm and SiLU*up producer kernels off (on by default), "
-                         "fp8now-<scheme>-nohead: Qwen3's per-head norms in transformers' ops "
-                         "(Table.head_norm_kernel), and fp8now-<scheme>-split: SiLU*up's rows of up to 16 tokens "
-                         "split over programs (Table.silu_split_max_m, off by default)")
+                         "and fp8now-<scheme>-nohead: Qwen3's per-head norms in transformers' ops "
+                         "(Table.head_norm_kernel)")
     ap.add_argument("--impls", default="", help="only these implementations, e.g. bf16,fp8now-channel")
     ap.add_argument("--profile", action="store_true", help="GPU time per kernel family of every prefill and "
                     "decode row (torch.profiler; CUDA only)")

