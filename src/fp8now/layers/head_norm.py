@@ -24,22 +24,18 @@ from torch import nn
 
 from ..kernels import triton_norm
 from .linear import Fp8Linear
-from .producers import FEEDABLE_BACKEND, kernel_runs
+from .producers import FEEDABLE_BACKEND, KernelRMSNorm, kernel_runs
 
 HEAD_NORM_CLASSES = ("Qwen3RMSNorm", "Qwen3MoeRMSNorm")   # weight * norm(x) over the last dim (head_dim)
 HEAD_NORMS = (("q_norm", "q_proj"), ("k_norm", "k_proj"))   # (norm, the linear whose output it reads)
 
 
-class HeadRMSNorm(nn.Module):
+class HeadRMSNorm(KernelRMSNorm):
     """An RMSNorm over the last dim (the same `weight`) as one kernel while `owner`'s table has the RMSNorm
     producer; transformers' forward otherwise."""
 
     def __init__(self, norm: nn.Module, owner: Fp8Linear) -> None:
-        super().__init__()
-        self.weight = norm.weight
-        self.variance_epsilon = norm.variance_epsilon
-        self.original = type(norm).__name__
-        self.original_forward = type(norm).forward
+        super().__init__(norm)
         self.owner = [owner]   # a plain list: the linear is registered in the attention module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,10 +43,7 @@ class HeadRMSNorm(nn.Module):
         if (not (kernel_runs("rmsnorm", owner, x) and owner.table.head_norm_kernel)
                 or triton_norm.unfit(x, self.weight) is not None):
             return self.original_forward(self, x)
-        x2 = x.reshape(-1, x.shape[-1])
-        y, _, _ = triton_norm.rms_norm(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.weight,
-                                       self.variance_epsilon)
-        return y.view(x.shape)
+        return self.kernel(x)[0]
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, as {self.original}, one kernel"

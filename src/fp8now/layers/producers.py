@@ -73,33 +73,46 @@ def kernel_runs(producer: str, consumer: Fp8Linear, x: torch.Tensor) -> bool:
             and consumer.weight.device == x.device and not torch.compiler.is_compiling())
 
 
-class FusedRMSNorm(nn.Module):
-    """A Llama-style RMSNorm (the same `weight` parameter) feeding `consumers` (FP8 linears) through
-    `handoff`; the original forward where the kernel cannot run."""
+class KernelRMSNorm(nn.Module):
+    """A transformers RMSNorm (weight * norm(x) over the last dim: the same `weight` parameter and epsilon) that
+    runs as `triton_norm.rms_norm` where its subclass says the kernel runs, else the original forward."""
 
-    def __init__(self, norm: nn.Module, consumers: list[Fp8Linear]) -> None:
+    def __init__(self, norm: nn.Module) -> None:
         super().__init__()
         self.weight = norm.weight
         self.variance_epsilon = norm.variance_epsilon
         self.original = type(norm).__name__
         self.original_forward = type(norm).forward
+
+    def kernel(self, x: torch.Tensor, act: str | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """`triton_norm.rms_norm` of x [..., K] as rows: (y shaped like x, FP8 bytes and scales of y for `act`)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        y, q, s = triton_norm.rms_norm(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.weight,
+                                       self.variance_epsilon, act)
+        return y.view(x.shape), q, s
+
+
+class FusedRMSNorm(KernelRMSNorm):
+    """A Llama-style RMSNorm (the same `weight` parameter) feeding `consumers` (FP8 linears) through
+    `handoff`; the original forward where the kernel cannot run."""
+
+    def __init__(self, norm: nn.Module, consumers: list[Fp8Linear]) -> None:
+        super().__init__(norm)
         self.consumers = list(consumers)   # a plain list: they are registered in the module that reads y
         self.handoff = Handoff()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not kernel_runs("rmsnorm", self.consumers[0], x) or triton_norm.unfit(x, self.weight) is not None:
             return self.original_forward(self, x)
-        x2 = x.reshape(-1, x.shape[-1])
-        m = x2.shape[0]
+        m = x.numel() // x.shape[-1]
         act = None
         for consumer in self.consumers:   # the first that reads the norm's FP8 bytes sets their scales
             path = consumer.planned(m, True)
             if path.quant == "rmsnorm":
                 act = path.act
                 break
-        y, q, s = triton_norm.rms_norm(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.weight,
-                                       self.variance_epsilon, act)
-        y = y.view(x.shape)
+        y, q, s = self.kernel(x, act)
         if act is not None:
             self.handoff.put(y, act, q, s)
         return y
