@@ -24,7 +24,8 @@ of its own, so its decode step is replayed from the same CUDA graph as every oth
 compile on their first, untimed call; `-regional`: each decoder layer compiled alone instead, transformers'
 "regional compilation", whose one compile serves every layer of the model: minutes less per shape, at the cost of
 fusions across a layer's edges). `--torchao-compile` picks eager, compiled, both or regional; `--fp8now-compile`
-adds fp8now's rows under the same compile (`fp8now-<scheme>-compiled`, `-regional`: like for like with torchao's
+adds fp8now's rows under the same compile (`fp8now-<scheme>-compiled`, `-regional`, and with `--fast-accum`
+`fp8now-<scheme>-fast-regional` and so on: like for like with torchao's
 compiled peers, inductor fusing transformers' elementwise ops around both; fp8now's producer kernels step aside
 under compile, inductor fusing its activation quantizer instead). The bf16
 logits of the accuracy prompts are kept in --workdir, so a run split with --impls compares every
@@ -171,8 +172,10 @@ def implementations(args) -> dict:
         impls.update({f"fp8now-{s}-nohead": with_table(fp8now_loader(s), head_norm_kernel=False) for s in schemes})
     if args.unstacked:    # one GEMV launch per layer at one token (on by default: q/k/v and gate/up in one each)
         impls.update({f"fp8now-{s}-unstacked": with_table(fp8now_loader(s), stacked_gemv=False) for s in schemes})
-    impls.update({f"fp8now-{s}{how}": with_compile(fp8now_loader(s), compiled)
-                  for how, compiled in FP8NOW_COMPILE[args.fp8now_compile] for s in schemes})
+    # under --fp8now-compile: fp8now-<scheme> and, with --fast-accum, fp8now-<scheme>-fast (torchao's accumulation)
+    eager = [(s, False) for s in schemes] + [(s, True) for s in schemes if args.fast_accum and s != "block"]
+    impls.update({f"fp8now-{s}{'-fast' * fast}{how}": with_compile(fp8now_loader(s, fast_accum=fast), compiled)
+                  for how, compiled in FP8NOW_COMPILE[args.fp8now_compile] for s, fast in eager})
     if args.torchao:
         impls.update({f"torchao-row{accum}{how}": torchao_loader(fast, compiled)
                       for how, compiled in TORCHAO_COMPILE[args.torchao_compile]
@@ -277,6 +280,7 @@ def main() -> None:
             path, key = reference_file(workdir, name, folder, opts)
             child = [sys.executable, os.path.abspath(__file__), "--schemes", args.schemes,
                      "--torchao-accum", args.torchao_accum, "--torchao-compile", args.torchao_compile,
+                     "--fp8now-compile", args.fp8now_compile,
                      *["--torchao"] * args.torchao, *["--fast-accum"] * args.fast_accum, *["--full"] * args.full,
                      *["--producers"] * args.producers, *["--unstacked"] * args.unstacked]
             result = measure(name, folder, impls, device, opts, emit, log, stored_reference(path, key),

@@ -274,8 +274,9 @@ def test_agreement_against_a_direct_computation():
 
 def test_unknown_impls_list_the_runs_names_before_anything_loads(tmp_path, monkeypatch):
     """--torchao's peers: per-row with fast (its default) and float32 accumulation, each eager and compiled
-    (`-compiled`, or each decoder layer alone: `-regional`; --torchao-compile picks); --fast-accum's: tensor and channel only (no fp8now-block-fast). An
-    unknown --impls lists the run's names before anything loads or is written."""
+    (`-compiled`, or each decoder layer alone: `-regional`; --torchao-compile picks); --fast-accum's: tensor and
+    channel only (no fp8now-block-fast), compiled too under --fp8now-compile. An unknown --impls lists the run's
+    names before anything loads or is written."""
     work = str(tmp_path / "w")
     names = "bf16, fp8now-channel, torchao-row, torchao-row-f32acc, torchao-row-compiled, torchao-row-f32acc-compiled"
     for args, listed in ((("channel", "--torchao", "--impls", "x"), f"({names}; torchao's need --torchao)"),
@@ -285,6 +286,9 @@ def test_unknown_impls_list_the_runs_names_before_anything_loads(tmp_path, monke
                            "--impls", "x"), "(bf16, fp8now-channel, torchao-row-regional; "),
                          (("channel", "--fp8now-compile", "both", "--impls", "x"),
                           "(bf16, fp8now-channel, fp8now-channel-compiled, fp8now-channel-regional; "),
+                         (("channel,block", "--fp8now-compile", "regional", "--fast-accum", "--impls", "x"),
+                          "(bf16, fp8now-channel, fp8now-block, fp8now-channel-fast, fp8now-channel-regional, "
+                          "fp8now-block-regional, fp8now-channel-fast-regional; "),
                          (("channel,block", "--fast-accum", "--impls", "fp8now-block-fast"),
                           "(bf16, fp8now-channel, fp8now-block, fp8now-channel-fast; ")):
         with pytest.raises(SystemExit) as e:
@@ -325,3 +329,18 @@ def test_compile_model_compiles_each_layer_and_keeps_fp8nows_accuracy(monkeypatc
     torch._dynamo.reset()
     with pytest.raises(ValueError, match="how must be"):
         compile_model(model, "layers")
+
+
+def test_a_compiled_impls_load_row_runs_alone_in_its_child(tmp_path):
+    """A load row runs in a fresh child process (`--alone`), which must know the run's compiled impls: on the tiny
+    preset `fp8now-channel-regional`'s load row holds the same resident bytes as `fp8now-channel`'s (compiling
+    wraps the layers, it adds no tensors) and carries no error."""
+    out = tmp_path / "model.json"
+    run = script("tiny", "--device", "cpu", "--schemes", "channel", "--fp8now-compile", "regional", "--phases", "load",
+                 "--impls", "fp8now-channel,fp8now-channel-regional", "--workdir", str(tmp_path / "w"),
+                 "--out", str(out), *SMALL)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"] if r["phase"] == "load"}
+    assert set(rows) == {"fp8now-channel", "fp8now-channel-regional"}
+    assert all("error" not in r for r in rows.values()), rows
+    assert rows["fp8now-channel-regional"]["resident_gb"] == rows["fp8now-channel"]["resident_gb"] > 0
