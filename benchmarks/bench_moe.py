@@ -52,9 +52,8 @@ CPU_SHAPES = {"qwen3-tiny": ("qwen3_moe", 16, 4, 64, 32), "mixtral-tiny": ("mixt
 
 
 def hbm_tbps(device: str) -> float:
-    """The floors' HBM rate on `device`'s GPU (HBM_TBPS by name, else the H200's)."""
-    name = torch.cuda.get_device_name().lower() if device != "cpu" and torch.cuda.is_available() else ""
-    return next((rate for key, rate in HBM_TBPS.items() if key in name), HBM_TBPS["h200"])
+    """The floors' HBM rate on `device`'s GPU (HBM_TBPS by `record.gpu_tag`, else the H200's)."""
+    return HBM_TBPS.get(record.gpu_tag(device), HBM_TBPS["h200"])
 
 
 def rel(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -66,6 +65,11 @@ def touched_fp8_bytes(index: torch.Tensor, h: int, i: int) -> tuple[int, int]:
     """(experts hit, FP8 weight bytes of their w13 and w2: one byte per weight; scales left out)."""
     hit = int(index.unique().numel())
     return hit, hit * 3 * h * i
+
+
+def floor_ms(fp8_bytes: int, rate_tbps: float) -> float:
+    """Milliseconds to read `fp8_bytes` once at `rate_tbps` (the rows' byte floor)."""
+    return fp8_bytes / (rate_tbps * 1e12) * 1e3
 
 
 def weight_copies(wanted: int, bf16_bytes: int, fp8_bytes: int, schemes: int, mem_gb: float) -> int:
@@ -151,7 +155,7 @@ def run(args) -> list[dict]:
                 ref = experts[0](x, index, weights)   # transformers' default implementation
             for name, (copies, call) in impls.items():
                 row = dict(shape=shape, tokens=tokens, impl=name, ms=None, host_ms=None, rel=None, experts_hit=hit,
-                           fp8_bytes=touched, floor_ms=touched / (rate * 1e12) * 1e3, hbm_tbps=rate, copies=n)
+                           fp8_bytes=touched, floor_ms=floor_ms(touched, rate), hbm_tbps=rate, copies=n)
                 if name == "bf16-transformers":
                     row["experts_implementation"] = default
                 rows.append(row)

@@ -24,7 +24,7 @@
 #   MOE_TUNE_ARGS  tune_moe flags (default: channel, both shapes, 1, 8, 64, 2048, 4096 tokens)
 # moe: the MoE GPU tests (exact oracle, direct kernels = sorted path bytes, graphs, no host sync), then
 # tune_moe.py (each path change against the one before, $OUT/moe_tune_$GPU.json), then bench_moe.py
-# ($OUT/moe_$GPU.json); $GPU is h100, h200 or gpu, from the device name.
+# ($OUT/moe_$GPU.json); $GPU is h100, h200 or gpu, from the device name (benchmarks/record.py gpu_tag).
 #   GPU_TESTS      test files for the tests phase (default: tests/, every test marked gpu or triton)
 #   GPU_TESTS_TIMEOUT  seconds for the tests phase (default 560)
 #   GPU_TESTS_WORKERS  pytest-xdist workers sharing the GPU (their Triton compiles run in parallel; the whole suite
@@ -71,8 +71,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then   # wheels carried along (e.g. torchao), 
 fi
 rc=0
 has() { [[ ",$phases," == *",$1,"* ]]; }
-GPU=$(python3 -c "import torch; n = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ''
-print('h200' if 'h200' in n else 'h100' if 'h100' in n else 'gpu')")
+GPU=$(cd benchmarks && python3 -c "import record; print(record.gpu_tag())")   # h200, h100, gpu (or cpu)
 STACKED_TESTS="tests/test_gpu_producers.py::test_stacked_gemvs_give_the_same_decode_steps
   tests/test_gpu_producers.py::test_a_graph_replay_keeps_the_step_and_its_tensors
   tests/test_gpu_producers.py::test_moving_a_stacked_model_off_the_gpu_frees_its_buffers"

@@ -57,6 +57,18 @@ def commit(cwd: str = HERE) -> str | None:
     return head + "+dirty"
 
 
+GPU_TAGS = ("h200", "h100")   # the part of a device's name that names its results files (model_h200.json)
+
+
+def gpu_tag(device: str = "cuda") -> str:
+    """The results files' name for `device`'s GPU: "h200" or "h100" by its name, "gpu" for any other, "cpu"
+    where no GPU is used (`gpu_session.sh` names its files by it too)."""
+    if device == "cpu" or not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().lower()
+    return next((tag for tag in GPU_TAGS if tag in name), "gpu")
+
+
 def meta(device: str = "cuda", argv: list[str] | None = None) -> dict:
     """Where and how a result was measured: UTC date, device name, library versions, commit, command."""
     try:

@@ -24,7 +24,7 @@ import sys
 import torch
 
 import record
-from bench_moe import CPU_SHAPES, SHAPES, hbm_tbps, touched_fp8_bytes
+from bench_moe import CPU_SHAPES, SHAPES, floor_ms, hbm_tbps, touched_fp8_bytes
 from moe_layers import randn, route
 from timing import GraphTimer, copies_for, host_ms, l2_flushed_ms
 
@@ -100,7 +100,7 @@ def run(args) -> list[dict]:
                                      same_bytes=bool(torch.equal(y, ref)),
                                      ms=timer.ms(layers, call) if gpu else host_ms(eager, reps=1),
                                      host_ms=l2_flushed_ms(eager, rep_ms=args.rep_ms) if gpu else None,
-                                     experts_hit=hit, floor_ms=touched / (rate * 1e12) * 1e3, hbm_tbps=rate, copies=n))
+                                     experts_hit=hit, floor_ms=floor_ms(touched, rate), hbm_tbps=rate, copies=n))
                     r = rows[-1]
                     print(f"{shape} {scheme} T={t:>5} {label:>20}: {r['ms'] * 1e3:8.1f} us {'GPU' if gpu else 'wall'}, "
                           f"{(r['host_ms'] or 0) * 1e3:8.1f} us host-launched, floor {r['floor_ms'] * 1e3:6.1f} us, "

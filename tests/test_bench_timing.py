@@ -123,6 +123,17 @@ def test_meta_names_the_checkout_commit(monkeypatch):
     assert got.endswith("+dirty") == bool(status.strip())   # a changed, new or deleted file, not an ignored one
 
 
+@pytest.mark.parametrize("name, tag", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
+                                       ("NVIDIA H100 NVL", "h100"), ("NVIDIA A100-SXM4-80GB", "gpu")])
+def test_gpu_tag_names_the_results_files_by_the_gpu(monkeypatch, name, tag):
+    """record.gpu_tag (gpu_session.sh's file names, bench_moe's HBM rate): the device's name as torch reports it
+    (that name stood in here: this machine has no GPU), "cpu" for --device cpu whatever the machine has."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    assert record.gpu_tag() == tag and record.gpu_tag("cuda") == tag
+    assert record.gpu_tag("cpu") == "cpu"
+
+
 def test_commit_names_the_files_not_a_stale_head(tmp_path, monkeypatch):
     """record.commit in a scratch repository: HEAD while the files are HEAD's; "+dirty" once a tracked file
     changes or an untracked one appears (ignored ones do not count); a checkout whose HEAD stayed behind (the
