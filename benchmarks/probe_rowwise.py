@@ -1,6 +1,7 @@
 """Probe (issue 38, Llama-3.1-8B decode at B = 64): the Triton rowwise GEMM's tile, stage and split-K choices at
-decode-batch M on the model's linear shapes, against the plan's own config, cuBLAS `_scaled_mm` rowwise on the
-same FP8 operands, and bf16 `F.linear`. GPU time from one CUDA graph over separate weight copies (the same count
+decode-batch M on the model's linear shapes, and the one-launch decode kernel (`triton_decode`, its K splits
+reduced in the kernel by the ticket) on the same pre-quantized rows, against the plan's own config, cuBLAS
+`_scaled_mm` rowwise on the same FP8 operands, and bf16 `F.linear`. GPU time from one CUDA graph over separate weight copies (the same count
 for every variant of a shape: `timing.GraphTimer`); every output is checked against the float64 product of the
 same FP8 operands (SPEC §4: rel_diff < 1e-4). The GEMM alone: the activation is quantized beforehand.
 
@@ -22,7 +23,7 @@ from timing import GraphTimer, copies_for
 
 # Llama-3.1-8B's linears (N, K): q and o, k and v, gate and up, down
 SHAPES = ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336))
-GRID = dict(BLOCK_N=(32, 64, 128), BLOCK_K=(128, 256), num_stages=(3, 4, 6), SPLIT_K=(1, 2, 4, 8, 0))
+GRID = dict(BLOCK_N=(32, 64, 128), BLOCK_K=(128, 256), num_stages=(3, 5), SPLIT_K=(1, 2, 4, 0))
 SMOKE_GRID = dict(BLOCK_N=(32,), BLOCK_K=(128,), num_stages=(2,), SPLIT_K=(1, 2))
 
 
@@ -41,6 +42,7 @@ def configs(grid: dict, m: int) -> list[dict]:
 
 
 def run(args) -> list[dict]:
+    from fp8now.kernels.triton_decode import decode_linear, ticket_counters
     from fp8now.kernels.triton_rowwise import rowwise_gemm
     from fp8now.numerics import quantize_activation, quantize_weight
 
@@ -63,9 +65,14 @@ def run(args) -> list[dict]:
         variants = {"plan": lambda wq: rowwise_gemm(x_q, x_s, wq, w_s)}
         if not args.smoke:
             variants["cublas"] = lambda wq: torch._scaled_mm(x_q, wq.t(), xs_col, ws_row, out_dtype=torch.bfloat16)
+        counters = ticket_counters(n, dev)
         for cfg in configs(grid, m):
-            variants[" ".join(f"{key}={v}" for key, v in cfg.items())] = \
-                lambda wq, cfg=cfg: rowwise_gemm(x_q, x_s, wq, w_s, config=cfg)
+            label = " ".join(f"{key}={v}" for key, v in cfg.items())
+            variants[f"rowwise {label}"] = lambda wq, cfg=cfg: rowwise_gemm(x_q, x_s, wq, w_s, config=cfg)
+            if cfg["BLOCK_K"] == 128:   # the decode kernel: its K splits meet by the ticket, no second launch
+                variants[f"decode {label}"] = lambda wq, cfg=cfg: decode_linear(
+                    x_q, wq, w_s, "channel", "token", x_scale=x_s, counters=counters, out_dtype=torch.bfloat16,
+                    config=cfg)
         base = dict(n=n, k=k, m=m, copies=copies, fp8_weight_bytes=n * k)
         if timer is not None:
             bf16_ms = timer.ms(bf16, lambda wb: torch.nn.functional.linear(x_bf16, wb))

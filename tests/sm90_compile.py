@@ -78,6 +78,12 @@ def main():
         compile_one(f"decode group={group} quant={quant} pdl={pdl} exchange_levels={levels}" + " fast_accum" * fast
                     + f" rows={consts['ROWS']}" * bool(rows),
                     td._decode_kernel, ptrs, consts, dict(opts, launch_pdl=pdl), scalars=dict(one="fp32"))
+    # pre-quantized rows of a 64-token decode batch in one 64-row tile (probe_rowwise.py's decode variants)
+    compile_one("decode rows=64 tile=64x64", td._decode_kernel,
+                dict(GEMM_PTRS, part_ptr=F32, cnt_ptr=I32),
+                dict(ACT_GROUP=False, QUANT_X=False, ROWS=64, SPLITS=4, HAS_BIAS=True, PDL=False, LEVELS=0,
+                     EMPTY=td.EMPTY, FAST_ACCUM=False, **floors, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128),
+                opts, scalars=dict(one="fp32"))
     q = dict(x_ptr=BF16, q_ptr=FP8, s_ptr=F32)
     # the launch plans of a decode row, and of long rows in both chunk widths
     for (m, k), early in [((1, 4096), False), ((16384, 14336), False), ((16384, 28672), False),

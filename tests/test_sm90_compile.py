@@ -46,6 +46,7 @@ def test_gemms_use_tensor_cores(compiled):
         if "gemm" in name or name.startswith("decode"):
             assert r["mma"], name
     assert compiled["block_gemm M<=None"]["wgmma"] and compiled["rowwise_gemm M<=None"]["wgmma"]
+    assert compiled["decode rows=64 tile=64x64"]["wgmma"]   # a 64-token batch's one tile: Hopper's wgmma too
     moe_prefill = [r for name, r in compiled.items() if name.startswith("moe_gemm 128x128")]
     assert len(moe_prefill) == 3 and all(r["wgmma"] for r in moe_prefill)   # rows gathered, still wgmma (+ fast)
 

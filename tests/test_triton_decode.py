@@ -106,6 +106,24 @@ def test_decode_prequantized_equals_fused(w_kind, act, m):
         assert torch.equal(fused, pre)
 
 
+@pytest.mark.parametrize("w_kind,act", PAIRS)
+@pytest.mark.parametrize("m,block_m", [(40, 16), (64, 64), (70, 64)])
+def test_decode_prequantized_rows_past_one_tile(w_kind, act, m, block_m):
+    """Pre-quantized rows beyond the in-kernel quantizer's 16 (a decode batch of 64): several row tiles or one
+    64-row tile (plus a tail tile), K split with the ticket, against the float64 product; the layer's
+    counters (sized for one row tile) come back zero, or the wrapper makes its own when they are too few."""
+    x, w_q, w_s, b = _operands(m, 96, 640, w_kind, seed=m + block_m)
+    x_q, x_s = _quantized_x(x, act)
+    counters = td.ticket_counters(96, DEV)
+    y = td.decode_linear(x_q, w_q, w_s, w_kind, act, b, x_scale=x_s, counters=counters, out_dtype=FP32,
+                         config=dict(BLOCK_M=block_m, BLOCK_N=32, SPLIT_K=3))
+    ref = _exact(x_q, x_s, act, w_q, w_s, w_kind, b)
+    assert y.shape == (m, 96) and nu.rel_diff(y.cpu(), ref) < 1e-6
+    worst = max(nu.rel_diff(y[i].cpu(), ref[i]) for i in range(m) if ref[i].abs().sum() > 0)
+    assert worst < 1e-6
+    assert int(counters.abs().sum()) == 0
+
+
 def test_decode_noncontiguous_and_misindexed_control():
     """A strided activation gives the contiguous result; a rolled weight scale (control) does not."""
     x, w_q, w_s, b = _operands(4, 128, 384, "block", seed=5)

@@ -217,7 +217,8 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
                   counters: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                   config: dict | None = None, pdl: bool = False,
                   slots: torch.Tensor | None = None, fast_accum: bool = False) -> torch.Tensor:
-    """y [M, N] = quantize(x [M, K]) @ W.T (+ bias) in one launch, for M <= MAX_M.
+    """y [M, N] = quantize(x [M, K]) @ W.T (+ bias) in one launch, for M <= MAX_M; pre-quantized FP8 rows
+    (`x_scale` given) of any M, in row tiles of the config's BLOCK_M (the ticket's counters then one per tile).
 
     w_kind "tensor" (w_s 0-d / [1]) or "channel" (w_s [N, 1]) with act "token"; w_kind "block"
     (w_s [ceil(N/128), ceil(K/128)]) with act "group". `x` is bf16/fp16/fp32 and quantized in the
@@ -252,8 +253,9 @@ def decode_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_kind:
                              f"{tuple(x.shape)}")
         x2 = x
     M = x2.shape[0]
-    if M > MAX_M:
-        raise ValueError(f"decode_linear is for M <= {MAX_M} tokens, got M={M}")
+    if M > MAX_M and quant_x:   # every program quantizes its rows over all of K: for a few rows only
+        raise ValueError(f"decode_linear quantizes in the kernel for M <= {MAX_M} tokens, got M={M}; hand it "
+                         f"the FP8 rows and their x_scale instead")
     if x2.device != w_q.device:
         raise ValueError(f"x on {x2.device} but w_q on {w_q.device}")
     if x2.stride(-1) != 1:
