@@ -1,9 +1,10 @@
 """Probe (issue 38, Llama-3.1-8B decode at B = 64): the Triton rowwise GEMM's tile, stage and split-K choices at
 decode-batch M on the model's linear shapes, and the one-launch decode kernel (`triton_decode`, its K splits
 reduced in the kernel by the ticket) on the same pre-quantized rows, against the plan's own config, cuBLAS
-`_scaled_mm` rowwise on the same FP8 operands, and bf16 `F.linear`. GPU time from one CUDA graph over separate weight copies (the same count
-for every variant of a shape: `timing.GraphTimer`); every output is checked against the float64 product of the
-same FP8 operands (SPEC §4: rel_diff < 1e-4). The GEMM alone: the activation is quantized beforehand.
+`_scaled_mm` rowwise on the same FP8 operands, and bf16 `F.linear`. GPU time from one CUDA graph over separate
+weight copies (the same count for every variant of a shape: `timing.GraphTimer`); every output is checked against
+the float64 product of the same FP8 operands (SPEC §4: rel_diff < 1e-4, NaN never passes). The GEMM alone: the
+activation is quantized beforehand.
 
     PYTHONPATH=src python benchmarks/probe_rowwise.py --out /tmp/out/probe_rowwise_h200.json
     ... --smoke   # Triton's interpreter on the CPU: one tiny shape, two configs, no timing (checks the script)
@@ -27,12 +28,6 @@ GRID = dict(BLOCK_N=(32, 64, 128), BLOCK_K=(128, 256), num_stages=(3, 5), SPLIT_
 SMOKE_GRID = dict(BLOCK_N=(32,), BLOCK_K=(128,), num_stages=(2,), SPLIT_K=(1, 2))
 
 
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """SPEC §4's 1 - 2<a,b> / (|a|^2 + |b|^2), in float64."""
-    a, b = a.double().flatten(), b.double().flatten()
-    return float(1 - 2 * (a @ b) / (a @ a + b @ b))
-
-
 def configs(grid: dict, m: int) -> list[dict]:
     """Every combination of `grid`, with one row-tile covering M (BLOCK_M = M rounded up to 16..64)."""
     block_m = min(64, max(16, 1 << (m - 1).bit_length()))
@@ -44,7 +39,7 @@ def configs(grid: dict, m: int) -> list[dict]:
 def run(args) -> list[dict]:
     from fp8now.kernels.triton_decode import decode_linear, ticket_counters
     from fp8now.kernels.triton_rowwise import rowwise_gemm
-    from fp8now.numerics import quantize_activation, quantize_weight
+    from fp8now.numerics import quantize_activation, quantize_weight, rel_diff
 
     dev = torch.device("cpu" if args.smoke else "cuda")
     shapes = ((64, 256),) if args.smoke else SHAPES
@@ -86,7 +81,7 @@ def run(args) -> list[dict]:
                 rows.append(dict(base, variant=label, error=f"{type(e).__name__}: {str(e)[:200]}"))
                 continue
             rows.append(dict(base, variant=label, ms=ms, rel_diff=diff))
-            if diff >= 1e-4:
+            if not diff < 1e-4:   # NaN included
                 rows[-1]["error"] = f"rel_diff {diff:.2e} >= 1e-4"
         if args.out:
             record.write(args.out, record.meta("cpu" if args.smoke else "cuda"), rows)

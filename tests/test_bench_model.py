@@ -297,7 +297,16 @@ def test_unknown_impls_list_the_runs_names_before_anything_loads(tmp_path, monke
     assert not (tmp_path / "w").exists()   # nothing was written: the names were checked first
 
 
-def test_compile_model_compiles_each_layer_and_keeps_fp8nows_accuracy(monkeypatch):
+@pytest.fixture
+def compile_model(monkeypatch):
+    """bench_model.compile_model, with dynamo's recompile limit (which it raises) put back afterwards."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)
+    from bench_model import compile_model
+    return compile_model
+
+
+def test_compile_model_compiles_each_layer_and_keeps_fp8nows_accuracy(compile_model):
     """bench_model's compile_model (--fp8now-compile, --torchao-compile): "regional" compiles every decoder layer
     of an fp8now channel model (dynamo counts the graphs it built), and the compiled model's logits on fresh token
     ids are as far from the bf16 model's as the eager fp8now model's are (within 0.5-1.25x: still quantized, no
@@ -307,10 +316,6 @@ def test_compile_model_compiles_each_layer_and_keeps_fp8nows_accuracy(monkeypatc
     from fp8now import Fp8Config
     from tiny import tiny_model
     from torch._dynamo.utils import counters
-
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)
-    from bench_model import compile_model
 
     ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(23))
     model = tiny_model("llama", seed=11)
@@ -346,7 +351,7 @@ def test_a_compiled_impls_load_row_runs_alone_in_its_child(tmp_path):
     assert rows["fp8now-channel-regional"]["resident_gb"] == rows["fp8now-channel"]["resident_gb"] > 0
 
 
-def test_regional_compile_traces_the_triton_backends_prefill_path_whole(monkeypatch):
+def test_regional_compile_traces_the_triton_backends_prefill_path_whole(compile_model):
     """`--fp8now-compile regional` on the GPU runs the triton backend's prefill path under torch.compile: the torch
     ops quantizer (`Table.compiled_quant`, which inductor fuses) and `_scaled_mm` rowwise. The same path traced
     here on CPU tensors: no graph break in any decoder layer (a break would split each compiled layer in pieces
@@ -357,10 +362,6 @@ def test_regional_compile_traces_the_triton_backends_prefill_path_whole(monkeypa
     from fp8now import Fp8Config
     from tiny import tiny_model
     from torch._dynamo.utils import counters
-
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)
-    from bench_model import compile_model
 
     ids = torch.randint(3, 512, (2, 40), generator=torch.Generator().manual_seed(31))   # 80 rows: above the
     with torch.no_grad():                                                             # split-K GEMMs' 64
