@@ -45,7 +45,9 @@ def expected(scheme: Scheme, m: int, n: int, k: int, invariant: bool, compiling:
     if group:
         cublas = m > 32 and k % 512 == 0
         return quant, "cublas-blockwise" if cublas else "triton-block", {}, False
-    return quant, "triton-rowwise" if m <= 64 else "cublas-rowwise", {}, False
+    if m > 64:
+        return quant, "cublas-rowwise", {}, False
+    return quant, "triton-rowwise", {"BLOCK_N": 64, "GROUP_M": 1, "num_stages": 5, "SPLIT_K": 2 if n < 8192 else 1}, False
 
 
 @pytest.mark.parametrize("inside", [True, False])
@@ -103,6 +105,7 @@ def test_a_custom_table_changes_the_choice():
     args = ("triton", Scheme.CHANNEL, "token")
     assert plan(*args, 17, 4096, 4096, "cuda-fp8").gemm == "triton-rowwise"
     assert plan(*args, 17, 4096, 4096, "cuda-fp8", table=Table(rowwise_max_m=16)).gemm == "cublas-rowwise"
+    assert plan(*args, 64, 4096, 4096, "cuda-fp8", table=Table(rowwise_mid=())).config == ()   # the block table's
     assert plan(*args, 1, 4096, 4096, "cuda-fp8", table=Table(gemv=())).gemm == "triton-decode-exchange"
     assert plan(*args, 4, 1024, 4096, "cuda-fp8", table=Table(quant_inside=())).pdl
     assert not plan(*args, 4, 1024, 4096, "cuda-fp8", table=Table(pdl_max_m=2, quant_inside=())).pdl

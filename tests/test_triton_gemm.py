@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from fp8now import numerics as nu  # noqa: E402
+from fp8now.kernels.plan import TABLES  # noqa: E402
 from fp8now.kernels import triton_jit as tj, triton_splitk as tk, triton_w8a16 as tw  # noqa: E402
 from fp8now.kernels.triton_block import block_gemm  # noqa: E402
 from fp8now.kernels.triton_rowwise import rowwise_gemm  # noqa: E402
@@ -155,6 +156,24 @@ def test_rowwise_gemm(m, n, k, act, wscheme, bias, dtype):
                         None if b is None else b.to(DEV), out_dtype=dtype)
     assert y.dtype == dtype
     _check(y, ref)
+
+
+@pytest.mark.parametrize("row", range(len(TABLES["cuda-fp8"].rowwise_mid)))
+def test_rowwise_gemm_with_the_plans_mid_m_configs(row):
+    """The configs the plan gives the rowwise GEMM between the decode kernel's 16 rows and cuBLAS (Table.rowwise_mid:
+    5 stages, K in 1 or 2 splits), on 40 token-scaled rows whose K (5 blocks) does not split evenly, channel and
+    tensor weights, against float64."""
+    config = dict(TABLES["cuda-fp8"].rowwise_mid[row][2])
+    g = _gen(71 + row)
+    m, n, k = 40, 136, 640
+    x = _activation(m, k, BF16, g)
+    b = torch.randn(n, generator=g)
+    x_q, x_s = nu.quantize_activation(x, "token")
+    for wscheme in ("channel", "tensor"):
+        w_q, w_s = nu.quantize_weight(_varied(n, k, 1, g), wscheme)
+        ref = _ref(x_q, x_s, TOKEN, w_q, w_s, W_GROUP[wscheme], b)
+        y = rowwise_gemm(*(t.to(DEV) for t in (x_q, x_s, w_q, w_s, b)), out_dtype=BF16, config=config)
+        _check(y, ref)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -48,6 +48,14 @@ class Table:
     # decode with few K splits (token: two added by exchange): below, too few programs; above, the output
     # tiles alone fill the GPU and the exchange's atomics cost more than the ticket
     few_splits_n: tuple[int, int] = (4096, 8192)
+    # token scales, DECODE_MAX_M < M <= rowwise_max_m: the rowwise GEMM's config overrides by N, (lowest N,
+    # highest N, config) rows; none: the block table's. 5 stages and K in 2 splits (N < 8192) or 1 (wider),
+    # against the block table's 4 stages and automatic split (8 splits of 4 K-blocks on Llama-3.1-8B's q/k/v/o):
+    # `probe_rowwise.py` on the H100 at 64 rows, Llama-3.1-8B's four shapes, 129 µs a layer against 145
+    # (BENCHMARKS.md "Whole model"). BLOCK_K stays 128: every 128-deep K block is promoted to float32.
+    rowwise_mid: tuple[tuple[int, int, tuple[tuple[str, int], ...]], ...] = (
+        (0, 8191, (("BLOCK_N", 64), ("GROUP_M", 1), ("num_stages", 5), ("SPLIT_K", 2))),
+        (8192, WIDE, (("BLOCK_N", 64), ("GROUP_M", 1), ("num_stages", 5), ("SPLIT_K", 1))))
     # under torch.compile, these kinds quantize with torch ops that inductor fuses into the producer
     # (1x128 groups: inductor splits them into passes that recompute the producer, so not "group")
     compiled_quant: tuple[str, ...] = ("token",)
@@ -184,7 +192,10 @@ def _triton(scheme: Scheme, m: int, n: int, k: int, invariant: bool, compiling: 
         if m > t.block_max_m and t.block_large == "cublas" and blockwise_unfit(k) is None:
             return path("cublas-blockwise")
         return path("triton-block")
-    return path("triton-rowwise" if m <= t.rowwise_max_m else "cublas-rowwise")
+    if m > t.rowwise_max_m:
+        return path("cublas-rowwise")
+    mid = [config for lo, hi, config in t.rowwise_mid if lo <= n <= hi]   # (M <= DECODE_MAX_M returned above)
+    return path("triton-rowwise", dict(mid[0]) if mid else None)
 
 
 def _torch(scheme: Scheme, act: str, dclass: str) -> Path:

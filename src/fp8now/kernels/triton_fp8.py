@@ -99,7 +99,8 @@ def linear_fp8(x_q: torch.Tensor, x_s: torch.Tensor, out_dtype: torch.dtype, wei
     if gemm == "triton-block":
         return block_gemm(x_q, x_s, w_q, w_s, bias, out_dtype, batch_invariant=path.invariant)
     if gemm == "triton-rowwise":
-        return rowwise_gemm(x_q, x_s, w_q, w_s, bias, out_dtype, batch_invariant=path.invariant, fast_accum=fast)
+        return rowwise_gemm(x_q, x_s, w_q, w_s, bias, out_dtype, batch_invariant=path.invariant, fast_accum=fast,
+                            config=dict(path.config) or None)
     if gemm == "cublas-blockwise":   # column-major scales (the quantizer's col_major; a producer's row-major)
         return torch_mm.blockwise_mm(x_q, x_s.t().contiguous().t(), w_q, w_s, bias, out_dtype)
     if gemm == "cublas-tensorwise":
