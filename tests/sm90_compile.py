@@ -80,7 +80,7 @@ def main():
         compile_one(f"decode group={group} quant={quant} pdl={pdl} exchange_levels={levels}" + " fast_accum" * fast
                     + f" rows={consts['ROWS']}" * bool(rows),
                     td._decode_kernel, ptrs, consts, dict(opts, launch_pdl=pdl), scalars=dict(one="fp32"))
-    # pre-quantized rows of a 64-token decode batch in one 64-row tile (probe_rowwise.py's decode variants)
+    # pre-quantized rows of a 64-token decode batch in one 64-row tile (decode_linear takes FP8 rows of any M)
     compile_one("decode rows=64 tile=64x64", td._decode_kernel,
                 dict(GEMM_PTRS, part_ptr=F32, cnt_ptr=I32),
                 dict(ACT_GROUP=False, QUANT_X=False, ROWS=64, SPLITS=4, HAS_BIAS=True, PDL=False, LEVELS=0,

@@ -51,8 +51,9 @@ class Table:
     # token scales, DECODE_MAX_M < M <= rowwise_max_m: the rowwise GEMM's config overrides by N, (lowest N,
     # highest N, config) rows; none: the block table's. 5 stages and K in 2 splits (N < 8192) or 1 (wider),
     # against the block table's 4 stages and automatic split (8 splits of 4 K-blocks on Llama-3.1-8B's q/k/v/o):
-    # `probe_rowwise.py` on the H100 at 64 rows, Llama-3.1-8B's four shapes, 129 µs a layer against 145
-    # (BENCHMARKS.md "Whole model"). BLOCK_K stays 128: every 128-deep K block is promoted to float32.
+    # on the H100 at 64 rows, Llama-3.1-8B's four shapes, 129 µs a layer against 145, and the B = 64 step's
+    # quantized layers at 0.64x bf16's GEMMs (BENCHMARKS.md "Whole model", "What the probes answered").
+    # BLOCK_K stays 128: every 128-deep K block is promoted to float32.
     rowwise_mid: tuple[tuple[int, int, tuple[tuple[str, int], ...]], ...] = (
         (0, 8191, (("BLOCK_N", 64), ("GROUP_M", 1), ("num_stages", 5), ("SPLIT_K", 2))),
         (8192, WIDE, (("BLOCK_N", 64), ("GROUP_M", 1), ("num_stages", 5), ("SPLIT_K", 1))))
