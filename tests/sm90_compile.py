@@ -24,7 +24,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from fp8now.kernels import triton_block as tb, triton_decode as td, triton_gemv as tv, triton_quant as tq  # noqa: E402
 from fp8now.kernels import triton_rowwise as tr, triton_splitk as tk, triton_w8a16 as t8, triton_wquant as tw  # noqa: E402
 from fp8now.kernels.plan import TABLES  # noqa: E402
-from fp8now.kernels.triton_jit import pick  # noqa: E402
+from fp8now.kernels.triton_jit import merge_config, pick  # noqa: E402
 from fp8now.kernels import moe_align as ma, plan as kp, triton_moe as tm, triton_moe_act as ta  # noqa: E402
 from fp8now.kernels import triton_moe_direct as md, triton_peaks as tpk  # noqa: E402
 from fp8now.kernels import triton_norm as tn, triton_silu_mul as tsm  # noqa: E402
@@ -134,7 +134,7 @@ def main():
             compile_one(f"rowwise_gemm M<={bound}" + " fast_accum" * fast, tr._rowwise_gemm_kernel, g,
                         dict(HAS_BIAS=True, PARTIAL=partial, FAST_ACCUM=fast, **t), o, scalars=dict(one="fp32"))
     for lo, hi, over in TABLES["cuda-fp8"].rowwise_mid:   # the plan's rowwise configs between 17 and 64 rows
-        c = dict(pick(tb.BLOCK_TABLE, 64), **dict(over))
+        c = merge_config(pick(tb.BLOCK_TABLE, 64), dict(over))   # as rowwise_gemm merges them
         t = dict(BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"])
         compile_one(f"rowwise_gemm N {lo}-{hi} rows 17-64 (SPLIT_K={c['SPLIT_K']})", tr._rowwise_gemm_kernel, g,
                     dict(HAS_BIAS=True, PARTIAL=c["SPLIT_K"] != 1, FAST_ACCUM=False, **t),

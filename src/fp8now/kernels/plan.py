@@ -195,8 +195,8 @@ def _triton(scheme: Scheme, m: int, n: int, k: int, invariant: bool, compiling: 
         return path("triton-block")
     if m > t.rowwise_max_m:
         return path("cublas-rowwise")
-    mid = [config for lo, hi, config in t.rowwise_mid if lo <= n <= hi]   # (M <= DECODE_MAX_M returned above)
-    return path("triton-rowwise", dict(mid[0]) if mid else None)
+    # (M <= DECODE_MAX_M returned above)
+    return path("triton-rowwise", next((dict(config) for lo, hi, config in t.rowwise_mid if lo <= n <= hi), None))
 
 
 def _torch(scheme: Scheme, act: str, dclass: str) -> Path:
